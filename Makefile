@@ -1,0 +1,33 @@
+# tandem: `make demo` runs the main job on the default model, `make test` runs the test suite.
+# Both install what is missing first (scripts/setup.sh) and are idempotent.
+BUILD ?= build
+BUILD_TYPE ?= RelWithDebInfo
+JOBS ?= $(shell nproc)
+
+.PHONY: all setup configure build test demo fidelity clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+$(BUILD)/build.ninja: CMakeLists.txt | setup
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+configure: setup
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE slow
+
+demo: build
+	@scripts/demo.sh $(BUILD)
+
+fidelity: build
+	@scripts/fidelity.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,74 @@
+// Token sampling: penalties, then greedy or temperature + top-k + top-p + min-p, with a
+// per-request seed so runs are reproducible. Stop conditions (stop ids, stop strings, max
+// tokens) live in StopChecker.
+//
+// A Sampler belongs to one sequence and is not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace tandem::engine {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0: greedy
+  int32_t top_k = 0;         // 0 or negative: off
+  float top_p = 1.0f;        // 1: off
+  float min_p = 0.0f;        // 0: off
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  int32_t penalty_last_n = 64;  // window of past tokens the penalties look at (-1: all)
+  uint64_t seed = 0;
+  int32_t max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop_strings;
+  bool ignore_eos = false;
+};
+
+// INVALID_ARGUMENT naming the field for out-of-range values (temperature < 0, top_p outside
+// (0, 1], min_p outside [0, 1], repetition_penalty <= 0, penalties outside [-2, 2],
+// max_tokens < 1, ids outside the vocabulary, empty stop strings).
+absl::Status ValidateSamplingParams(const SamplingParams& p, int32_t vocab_size);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p);
+  // Picks the next token. logits (vocab_size floats) are modified in place. history holds the
+  // prompt and generated tokens, for the penalties.
+  int32_t Sample(std::span<float> logits, std::span<const int32_t> history);
+
+ private:
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+};
+
+enum class FinishReason { kNone, kStop, kLength };
+
+// Watches generated text for stop strings and counts tokens. Text that might be the start of a
+// stop string is held back, so the caller never streams text it must take back.
+class StopChecker {
+ public:
+  explicit StopChecker(SamplingParams p) : p_(std::move(p)) {}
+  // Feeds one generated token and its decoded text; returns the text now safe to emit.
+  // After a finish, reason() says why, and the emitted text excludes the stop string.
+  std::string Push(int32_t id, std::string_view text, bool is_eog);
+  // Text still held back when generation ends for another reason.
+  std::string Flush();
+  FinishReason reason() const { return reason_; }
+  int32_t generated() const { return generated_; }
+
+ private:
+  SamplingParams p_;
+  std::string held_;
+  FinishReason reason_ = FinishReason::kNone;
+  int32_t generated_ = 0;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,45 @@
+// Matrix multiplication of a weight matrix (any weight DType) by float activations:
+//   output[b][r] = sum_c W[r][c] * input[b][c]   for b < batch, r < rows
+// W is row-major with `cols` elements per row (GGUF tensor dims {cols, rows}).
+//
+// Matmul is the optimised path. Like llama.cpp's CPU backend it first converts the activations
+// into the weight type's partner ("vec dot") type: Q8_0 for Q8_0/Q4_0/MXFP4 weights, Q8_K for
+// Q4_K/Q6_K, F16 for F16, BF16 for BF16, F32 for F32, and accumulates in that format's way.
+// That keeps tandem's numerics close to llama.cpp's. MatmulReference dequantises the weights and
+// accumulates in double with the float activations: the ground truth for tests.
+// Threading: Matmul splits rows over the pool (nullptr: run inline). Caller owns all buffers.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/kernels/dtype.h"
+
+namespace tandem::util {
+class ThreadPool;
+}
+
+namespace tandem::kernels {
+
+struct MatmulParams {
+  DType weight_type = DType::kF32;
+  const void* weight = nullptr;
+  int64_t rows = 0;  // output features
+  int64_t cols = 0;  // input features
+  const float* input = nullptr;
+  int64_t input_stride = 0;  // floats between consecutive input rows (0: cols)
+  int64_t batch = 1;
+  float* output = nullptr;
+  int64_t output_stride = 0;  // floats between consecutive output rows (0: rows)
+};
+
+void Matmul(const MatmulParams& p, util::ThreadPool* pool);
+void MatmulReference(const MatmulParams& p);
+
+// Dot product of one weight row (n elements of type t) with a float vector, in the same
+// activation-quantised numerics as Matmul. Used for embeddings lookups tests and small cases.
+float DotRow(DType t, const void* row, const float* x, int64_t n);
+
+// Row r of a weight matrix dequantised to floats (embedding lookup).
+void GetRow(DType t, const void* weight, int64_t cols, int64_t r, float* out);
+
+}  // namespace tandem::kernels
