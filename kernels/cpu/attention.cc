@@ -1,1 +1,137 @@
-// placeholder
+#include "tandem/kernels/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/util/thread_pool.h"
+#include "tandem/kernels/fp16.h"
+
+namespace tandem::kernels {
+namespace {
+
+// Pointer to the head_dim elements of kv head `kvh` at position t.
+template <typename T>
+const T* Slot(const PagedAttentionParams& p, const void* cache, int64_t t, int64_t kvh) {
+  const int64_t block = p.block_table[t / p.block_size];
+  const int64_t slot = t % p.block_size;
+  return static_cast<const T*>(cache) +
+         ((block * p.block_size + slot) * p.n_kv_head + kvh) * p.head_dim;
+}
+
+inline float DotF32(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One (query, head) pair. scores has room for q_pos + 1 floats, kbuf for head_dim.
+template <typename T>
+void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scores,
+               float* kbuf) {
+  const int64_t group = p.n_head / p.n_kv_head;
+  const int64_t kvh = h / group;
+  const float* q = p.q + qi * p.q_stride + h * p.head_dim;
+  const int64_t n_keys = p.q_pos[qi] + 1;
+  const int64_t d = p.head_dim;
+
+  float max_s = -INFINITY;
+  for (int64_t t = 0; t < n_keys; ++t) {
+    const T* k = Slot<T>(p, p.k_cache, t, kvh);
+    float s;
+    if constexpr (std::is_same_v<T, float>) {
+      s = DotF32(q, k, d);
+    } else {
+      Fp16ToF32Row(k, kbuf, d);
+      s = DotF32(q, kbuf, d);
+    }
+    s *= p.scale;
+    scores[t] = s;
+    max_s = std::max(max_s, s);
+  }
+  double sum = 0.0;
+  for (int64_t t = 0; t < n_keys; ++t) {
+    const float e = std::exp(scores[t] - max_s);
+    scores[t] = e;
+    sum += e;
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  float* out = p.out + qi * p.out_stride + h * d;
+  std::fill(out, out + d, 0.0f);
+  for (int64_t t = 0; t < n_keys; ++t) {
+    const float w = scores[t] * inv;
+    const T* v = Slot<T>(p, p.v_cache, t, kvh);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t i = 0; i < d; ++i) out[i] += w * v[i];
+    } else {
+      Fp16ToF32Row(v, kbuf, d);
+      for (int64_t i = 0; i < d; ++i) out[i] += w * kbuf[i];
+    }
+  }
+}
+
+template <typename T>
+void Run(const PagedAttentionParams& p, util::ThreadPool* pool) {
+  int64_t max_keys = 0;
+  for (int64_t i = 0; i < p.n_q; ++i) max_keys = std::max<int64_t>(max_keys, p.q_pos[i] + 1);
+  const int64_t work = p.n_q * p.n_head;
+  auto body = [&](int64_t begin, int64_t end, int) {
+    std::vector<float> scores(max_keys);
+    std::vector<float> kbuf(p.head_dim);
+    for (int64_t w = begin; w < end; ++w) {
+      AttendOne<T>(p, w / p.n_head, w % p.n_head, scores.data(), kbuf.data());
+    }
+  };
+  if (pool == nullptr) {
+    body(0, work, 0);
+  } else {
+    pool->ParallelFor(work, body);
+  }
+}
+
+}  // namespace
+
+void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool) {
+  if (p.kv_type == DType::kF16) {
+    Run<uint16_t>(p, pool);
+  } else {
+    Run<float>(p, pool);
+  }
+}
+
+void PagedAttentionReference(const PagedAttentionParams& p) {
+  const int64_t group = p.n_head / p.n_kv_head;
+  const int64_t d = p.head_dim;
+  auto load = [&](const void* cache, int64_t t, int64_t kvh, int64_t i) -> double {
+    const int64_t block = p.block_table[t / p.block_size];
+    const int64_t idx = ((block * p.block_size + t % p.block_size) * p.n_kv_head + kvh) * d + i;
+    if (p.kv_type == DType::kF16) return Fp16ToF32(static_cast<const uint16_t*>(cache)[idx]);
+    return static_cast<const float*>(cache)[idx];
+  };
+  for (int64_t qi = 0; qi < p.n_q; ++qi) {
+    for (int64_t h = 0; h < p.n_head; ++h) {
+      const int64_t kvh = h / group;
+      const float* q = p.q + qi * p.q_stride + h * d;
+      const int64_t n_keys = p.q_pos[qi] + 1;
+      std::vector<double> s(n_keys);
+      double mx = -INFINITY;
+      for (int64_t t = 0; t < n_keys; ++t) {
+        double acc = 0;
+        for (int64_t i = 0; i < d; ++i) acc += double(q[i]) * load(p.k_cache, t, kvh, i);
+        s[t] = acc * p.scale;
+        mx = std::max(mx, s[t]);
+      }
+      double sum = 0;
+      for (auto& x : s) sum += (x = std::exp(x - mx));
+      float* out = p.out + qi * p.out_stride + h * d;
+      for (int64_t i = 0; i < d; ++i) {
+        double acc = 0;
+        for (int64_t t = 0; t < n_keys; ++t) acc += s[t] / sum * load(p.v_cache, t, kvh, i);
+        out[i] = static_cast<float>(acc);
+      }
+    }
+  }
+}
+
+}  // namespace tandem::kernels

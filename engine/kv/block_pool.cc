@@ -1,0 +1,68 @@
+#include "engine/kv/block_pool.h"
+
+#include <cassert>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "xxhash.h"
+
+namespace tandem::engine {
+
+BlockPool::BlockPool(int32_t num_blocks) : refs_(num_blocks, 0) {
+  free_.reserve(num_blocks);
+  for (int32_t i = num_blocks - 1; i >= 0; --i) free_.push_back(i);
+}
+
+absl::StatusOr<int32_t> BlockPool::Allocate() {
+  if (free_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: all ", num_blocks(), " blocks in use"));
+  }
+  int32_t b = free_.back();
+  free_.pop_back();
+  refs_[b] = 1;
+  return b;
+}
+
+absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateN(int32_t n) {
+  if (n > num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache full: need ", n, " blocks, ",
+                                                     num_free(), " of ", num_blocks(), " free"));
+  }
+  std::vector<int32_t> out;
+  out.reserve(n);
+  for (int32_t i = 0; i < n; ++i) out.push_back(*Allocate());
+  return out;
+}
+
+void BlockPool::Ref(int32_t block) {
+  assert(refs_[block] > 0);
+  ++refs_[block];
+}
+
+void BlockPool::Unref(int32_t block) {
+  assert(refs_[block] > 0);
+  if (--refs_[block] == 0) free_.push_back(block);
+}
+
+void BlockPool::UnrefAll(std::span<const int32_t> blocks) {
+  for (int32_t b : blocks) Unref(b);
+}
+
+std::vector<uint64_t> ComputeBlockHashes(std::span<const int32_t> tokens, int32_t block_size,
+                                         uint64_t salt, uint64_t parent) {
+  std::vector<uint64_t> out;
+  const size_t full = tokens.size() / block_size;
+  out.reserve(full);
+  std::vector<uint8_t> buf(sizeof(uint64_t) + sizeof(int32_t) * block_size);
+  for (size_t i = 0; i < full; ++i) {
+    std::memcpy(buf.data(), &parent, sizeof(parent));
+    std::memcpy(buf.data() + sizeof(parent), tokens.data() + i * block_size,
+                sizeof(int32_t) * block_size);
+    parent = XXH3_64bits_withSeed(buf.data(), buf.size(), salt);
+    out.push_back(parent);
+  }
+  return out;
+}
+
+}  // namespace tandem::engine

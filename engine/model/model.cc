@@ -1,0 +1,196 @@
+#include "engine/model/model.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/util/status_util.h"
+#include "tandem/kernels/quant.h"
+
+namespace tandem::engine {
+namespace {
+
+absl::StatusOr<int32_t> GetDim(const gguf::GgufFile& f, const std::string& key,
+                               std::optional<uint64_t> def = std::nullopt) {
+  absl::StatusOr<uint64_t> v = def ? f.GetUIntOr(key, *def) : f.GetUInt(key);
+  if (!v.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("model key ", key, ": ", v.status().message()));
+  }
+  if (*v == 0 || *v > (1u << 24)) {
+    return absl::InvalidArgumentError(absl::StrCat("model key ", key, " out of range: ", *v));
+  }
+  return static_cast<int32_t>(*v);
+}
+
+// Reads a 1-D float tensor (norm weight or bias) of n elements, converting to f32.
+absl::StatusOr<std::vector<float>> LoadVector(const gguf::GgufFile& f, const std::string& name,
+                                              int64_t n) {
+  const gguf::TensorInfo* t = f.FindTensor(name);
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
+  if (t->NumElements() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", name, " has ", t->NumElements(), " elements, expected ", n));
+  }
+  std::vector<float> out(n);
+  kernels::DequantizeRow(t->type, t->data, out.data(), n);
+  return out;
+}
+
+absl::StatusOr<WeightView> LoadMatrix(const gguf::GgufFile& f, const std::string& name,
+                                      int64_t cols, int64_t rows) {
+  const gguf::TensorInfo* t = f.FindTensor(name);
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
+  if (t->dims.size() != 2 || t->dims[0] != cols || t->dims[1] != rows) {
+    std::string dims;
+    for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : "x", d);
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has shape ", dims,
+                                                   ", expected ", cols, "x", rows));
+  }
+  switch (t->type) {
+    case kernels::DType::kF32:
+    case kernels::DType::kF16:
+    case kernels::DType::kBF16:
+    case kernels::DType::kQ8_0:
+    case kernels::DType::kQ4_0:
+    case kernels::DType::kQ4_K:
+    case kernels::DType::kQ6_K:
+    case kernels::DType::kMXFP4:
+      break;
+    default:
+      return absl::UnimplementedError(absl::StrCat("tensor ", name, " has type ",
+                                                   std::string(kernels::Traits(t->type).name),
+                                                   ", which tandem cannot use as a weight"));
+  }
+  return WeightView{t->type, t->data, rows, cols};
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
+  ModelConfig c;
+  TANDEM_ASSIGN_OR_RETURN(std::string_view arch, f.GetString("general.architecture"));
+  c.arch_name = std::string(arch);
+  if (arch == "llama") {
+    c.arch = Arch::kLlama;
+    c.rope_mode = kernels::RopeMode::kNormal;
+  } else if (arch == "qwen2") {
+    c.arch = Arch::kQwen2;
+    c.rope_mode = kernels::RopeMode::kNeox;
+    c.qkv_bias = true;
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat("model architecture '", std::string(arch), "' is not supported (llama, qwen2)"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::string_view name, f.GetStringOr("general.name", ""));
+  c.name = std::string(name);
+  const std::string p = c.arch_name + ".";
+  TANDEM_ASSIGN_OR_RETURN(c.n_embd, GetDim(f, p + "embedding_length"));
+  TANDEM_ASSIGN_OR_RETURN(c.n_layer, GetDim(f, p + "block_count"));
+  TANDEM_ASSIGN_OR_RETURN(c.n_head, GetDim(f, p + "attention.head_count"));
+  TANDEM_ASSIGN_OR_RETURN(c.n_head_kv, GetDim(f, p + "attention.head_count_kv", c.n_head));
+  TANDEM_ASSIGN_OR_RETURN(c.n_ff, GetDim(f, p + "feed_forward_length"));
+  TANDEM_ASSIGN_OR_RETURN(c.n_ctx_train, GetDim(f, p + "context_length", 2048));
+  if (c.n_embd % c.n_head != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding_length ", c.n_embd,
+                                                   " is not a multiple of head_count ", c.n_head));
+  }
+  TANDEM_ASSIGN_OR_RETURN(c.head_dim, GetDim(f, p + "attention.key_length", c.n_embd / c.n_head));
+  TANDEM_ASSIGN_OR_RETURN(int32_t vdim, GetDim(f, p + "attention.value_length", c.head_dim));
+  if (vdim != c.head_dim) {
+    return absl::UnimplementedError("attention.value_length different from key_length");
+  }
+  if (c.n_head % c.n_head_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("head_count ", c.n_head,
+                                                   " is not a multiple of head_count_kv ",
+                                                   c.n_head_kv));
+  }
+  TANDEM_ASSIGN_OR_RETURN(c.n_rot, GetDim(f, p + "rope.dimension_count", c.head_dim));
+  if (c.n_rot > c.head_dim || c.n_rot % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rope.dimension_count ", c.n_rot,
+                                                   " must be even and <= head dim ", c.head_dim));
+  }
+  TANDEM_ASSIGN_OR_RETURN(double eps, f.GetFloatOr(p + "attention.layer_norm_rms_epsilon", 1e-5));
+  TANDEM_ASSIGN_OR_RETURN(double base, f.GetFloatOr(p + "rope.freq_base", 10000.0));
+  if (!(eps > 0) || !(base > 0)) {
+    return absl::InvalidArgumentError("rms epsilon and rope.freq_base must be positive");
+  }
+  c.norm_eps = static_cast<float>(eps);
+  c.rope_base = static_cast<float>(base);
+  TANDEM_ASSIGN_OR_RETURN(std::string_view scaling, f.GetStringOr(p + "rope.scaling.type", "none"));
+  if (scaling == "linear") {
+    TANDEM_ASSIGN_OR_RETURN(double factor, f.GetFloatOr(p + "rope.scaling.factor", 1.0));
+    if (!(factor > 0)) return absl::InvalidArgumentError("rope.scaling.factor must be positive");
+    c.rope_freq_scale = static_cast<float>(1.0 / factor);
+  } else if (scaling != "none" && scaling != "llama3") {
+    return absl::UnimplementedError(absl::StrCat("rope scaling '", std::string(scaling), "' is not supported"));
+  }
+  return c;
+}
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
+  std::unique_ptr<Model> m(new Model());
+  TANDEM_ASSIGN_OR_RETURN(m->file_, gguf::GgufFile::Open(path));
+  TANDEM_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*m->file_));
+  TANDEM_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*m->file_));
+  TANDEM_RETURN_IF_ERROR(m->Bind());
+  return m;
+}
+
+absl::Status Model::Bind() {
+  const gguf::GgufFile& f = *file_;
+  ModelConfig& c = config_;
+  const gguf::TensorInfo* emb = f.FindTensor("token_embd.weight");
+  if (emb == nullptr) return absl::InvalidArgumentError("missing tensor token_embd.weight");
+  if (emb->dims.size() != 2) return absl::InvalidArgumentError("token_embd.weight must be 2-D");
+  c.n_vocab = static_cast<int32_t>(emb->dims[1]);
+  if (c.n_vocab != tokenizer_->vocab_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("token_embd.weight has ", c.n_vocab,
+                                                   " rows but the tokenizer has ",
+                                                   tokenizer_->vocab_size(), " tokens"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(token_embd_, LoadMatrix(f, "token_embd.weight", c.n_embd, c.n_vocab));
+  if (f.FindTensor("output.weight") != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(output_, LoadMatrix(f, "output.weight", c.n_embd, c.n_vocab));
+  } else {
+    output_ = token_embd_;  // tied embeddings
+  }
+  TANDEM_ASSIGN_OR_RETURN(output_norm_, LoadVector(f, "output_norm.weight", c.n_embd));
+  if (f.FindTensor("rope_freqs.weight") != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(rope_freqs_, LoadVector(f, "rope_freqs.weight", c.n_rot / 2));
+  }
+  const int64_t q_dim = int64_t{c.n_head} * c.head_dim;
+  const int64_t kv_dim = int64_t{c.n_head_kv} * c.head_dim;
+  layers_.resize(c.n_layer);
+  for (int32_t i = 0; i < c.n_layer; ++i) {
+    LayerWeights& l = layers_[i];
+    const std::string b = absl::StrCat("blk.", i, ".");
+    TANDEM_ASSIGN_OR_RETURN(l.attn_norm, LoadVector(f, b + "attn_norm.weight", c.n_embd));
+    TANDEM_ASSIGN_OR_RETURN(l.ffn_norm, LoadVector(f, b + "ffn_norm.weight", c.n_embd));
+    TANDEM_ASSIGN_OR_RETURN(l.wq, LoadMatrix(f, b + "attn_q.weight", c.n_embd, q_dim));
+    TANDEM_ASSIGN_OR_RETURN(l.wk, LoadMatrix(f, b + "attn_k.weight", c.n_embd, kv_dim));
+    TANDEM_ASSIGN_OR_RETURN(l.wv, LoadMatrix(f, b + "attn_v.weight", c.n_embd, kv_dim));
+    TANDEM_ASSIGN_OR_RETURN(l.wo, LoadMatrix(f, b + "attn_output.weight", q_dim, c.n_embd));
+    TANDEM_ASSIGN_OR_RETURN(l.w_gate, LoadMatrix(f, b + "ffn_gate.weight", c.n_embd, c.n_ff));
+    TANDEM_ASSIGN_OR_RETURN(l.w_up, LoadMatrix(f, b + "ffn_up.weight", c.n_embd, c.n_ff));
+    TANDEM_ASSIGN_OR_RETURN(l.w_down, LoadMatrix(f, b + "ffn_down.weight", c.n_ff, c.n_embd));
+    if (c.qkv_bias) {
+      TANDEM_ASSIGN_OR_RETURN(l.bq, LoadVector(f, b + "attn_q.bias", q_dim));
+      TANDEM_ASSIGN_OR_RETURN(l.bk, LoadVector(f, b + "attn_k.bias", kv_dim));
+      TANDEM_ASSIGN_OR_RETURN(l.bv, LoadVector(f, b + "attn_v.bias", kv_dim));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t Model::weight_bytes_per_token() const {
+  auto bytes = [](const WeightView& w) {
+    return kernels::RowBytes(w.type, w.cols) * static_cast<uint64_t>(w.rows);
+  };
+  uint64_t total = bytes(output_);
+  for (const LayerWeights& l : layers_) {
+    total += bytes(l.wq) + bytes(l.wk) + bytes(l.wv) + bytes(l.wo) + bytes(l.w_gate) +
+             bytes(l.w_up) + bytes(l.w_down);
+  }
+  return total;
+}
+
+}  // namespace tandem::engine

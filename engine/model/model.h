@@ -1,0 +1,89 @@
+// A loaded model: hyperparameters from GGUF keys, weight views into the memory-mapped file,
+// and the tokenizer. Supported architectures: llama (Llama 2/3, TinyLlama, SmolLM, Mistral) and
+// qwen2 (llama plus q/k/v biases and neox rope).
+//
+// Load validates every tensor the forward pass will touch (presence, type, shape), so a bad
+// file fails here with a message naming the tensor, never mid-generation. After Load the Model
+// is immutable and shared by engines on any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/gguf/gguf.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "tandem/kernels/dtype.h"
+#include "tandem/kernels/rope.h"
+
+namespace tandem::engine {
+
+enum class Arch { kLlama, kQwen2 };
+
+struct ModelConfig {
+  Arch arch = Arch::kLlama;
+  std::string arch_name;
+  std::string name;
+  int32_t n_embd = 0;
+  int32_t n_layer = 0;
+  int32_t n_head = 0;
+  int32_t n_head_kv = 0;
+  int32_t head_dim = 0;
+  int32_t n_ff = 0;
+  int32_t n_vocab = 0;
+  int32_t n_ctx_train = 0;
+  int32_t n_rot = 0;
+  float norm_eps = 1e-5f;
+  float rope_base = 10000.0f;
+  float rope_freq_scale = 1.0f;
+  kernels::RopeMode rope_mode = kernels::RopeMode::kNormal;
+  bool qkv_bias = false;
+
+  static absl::StatusOr<ModelConfig> FromGguf(const gguf::GgufFile& f);
+};
+
+// A weight matrix view: rows of `cols` elements of `type`, in the mapped file.
+struct WeightView {
+  kernels::DType type = kernels::DType::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, ffn_norm;  // n_embd
+  std::vector<float> bq, bk, bv;           // empty without qkv bias
+  WeightView wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+class Model {
+ public:
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& path);
+
+  const ModelConfig& config() const { return config_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const gguf::GgufFile& file() const { return *file_; }
+
+  const WeightView& token_embd() const { return token_embd_; }
+  const WeightView& output() const { return output_; }
+  const std::vector<float>& output_norm() const { return output_norm_; }
+  const std::vector<float>& rope_freqs() const { return rope_freqs_; }  // empty if none
+  const LayerWeights& layer(int32_t i) const { return layers_[i]; }
+  // Bytes of weights one decode step reads (all matrices, embedding row excluded).
+  uint64_t weight_bytes_per_token() const;
+
+ private:
+  Model() = default;
+  absl::Status Bind();
+
+  std::unique_ptr<gguf::GgufFile> file_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  ModelConfig config_;
+  WeightView token_embd_, output_;
+  std::vector<float> output_norm_, rope_freqs_;
+  std::vector<LayerWeights> layers_;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,231 @@
+#include "engine/runtime/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/util/status_util.h"
+#include "tandem/kernels/activation.h"
+#include "tandem/kernels/attention.h"
+#include "tandem/kernels/matmul.h"
+#include "tandem/kernels/norm.h"
+#include "tandem/kernels/rope.h"
+
+namespace tandem::engine {
+namespace {
+
+void Grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+void MatmulRows(const WeightView& w, const float* in, int64_t batch, float* out,
+                util::ThreadPool* pool) {
+  kernels::MatmulParams p;
+  p.weight_type = w.type;
+  p.weight = w.data;
+  p.rows = w.rows;
+  p.cols = w.cols;
+  p.input = in;
+  p.input_stride = w.cols;
+  p.batch = batch;
+  p.output = out;
+  p.output_stride = w.rows;
+  kernels::Matmul(p, pool);
+}
+
+void AddBias(float* rows, const std::vector<float>& bias, int64_t n_rows) {
+  if (bias.empty()) return;
+  const int64_t n = static_cast<int64_t>(bias.size());
+  for (int64_t r = 0; r < n_rows; ++r) kernels::AddInPlace(rows + r * n, bias.data(), n);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
+                                                       const EngineOptions& opts) {
+  EngineOptions o = opts;
+  const ModelConfig& c = model->config();
+  if (o.threads < 1) return absl::InvalidArgumentError("threads must be >= 1");
+  if (o.ctx_size < 0) return absl::InvalidArgumentError("ctx_size must be >= 0");
+  if (o.ctx_size == 0) o.ctx_size = std::min(c.n_ctx_train, 4096);
+  if (o.block_size < 1 || o.max_seqs < 1 || o.max_batch_tokens < 1 || o.kv_blocks < 0) {
+    return absl::InvalidArgumentError(
+        "block_size, max_seqs and max_batch_tokens must be >= 1, kv_blocks >= 0");
+  }
+  if (o.kv_blocks == 0) {
+    o.kv_blocks = o.max_seqs * ((o.ctx_size + o.block_size - 1) / o.block_size);
+  }
+  KvCacheOptions ko;
+  ko.num_layers = c.n_layer;
+  ko.num_kv_heads = c.n_head_kv;
+  ko.head_dim = c.head_dim;
+  ko.block_size = o.block_size;
+  ko.num_blocks = o.kv_blocks;
+  ko.type = o.kv_type;
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(ko));
+  return std::unique_ptr<Engine>(new Engine(std::move(model), o, std::move(kv)));
+}
+
+Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
+               std::unique_ptr<KvCache> kv)
+    : model_(std::move(model)), o_(o), kv_(std::move(kv)), pool_(o.threads) {}
+
+absl::Status Engine::Validate(std::span<const SeqChunk> chunks, int64_t* n_tokens) const {
+  const int32_t vocab = model_->config().n_vocab;
+  int64_t total = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const SeqChunk& ch = chunks[i];
+    if (ch.tokens.empty()) return absl::InvalidArgumentError(absl::StrCat("chunk ", i, " is empty"));
+    for (int32_t t : ch.tokens) {
+      if (t < 0 || t >= vocab) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
+      }
+    }
+    const int64_t end = int64_t{ch.start_pos} + static_cast<int64_t>(ch.tokens.size());
+    if (ch.start_pos < 0 || end > o_.ctx_size) {
+      return absl::InvalidArgumentError(absl::StrCat("positions [", ch.start_pos, ", ", end,
+                                                     ") exceed the context size ", o_.ctx_size));
+    }
+    const int64_t need = (end + o_.block_size - 1) / o_.block_size;
+    if (static_cast<int64_t>(ch.block_table.size()) < need) {
+      return absl::InvalidArgumentError(absl::StrCat("block table has ", ch.block_table.size(),
+                                                     " blocks, positions need ", need));
+    }
+    for (int32_t b : ch.block_table) {
+      if (b < 0 || b >= kv_->pool().num_blocks()) {
+        return absl::InvalidArgumentError(absl::StrCat("block id ", b, " out of range"));
+      }
+    }
+    total += static_cast<int64_t>(ch.tokens.size());
+  }
+  if (total > o_.max_batch_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("step has ", total,
+                                                   " tokens, max_batch_tokens is ",
+                                                   o_.max_batch_tokens));
+  }
+  *n_tokens = total;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* logits) {
+  int64_t T = 0;
+  TANDEM_RETURN_IF_ERROR(Validate(chunks, &T));
+  const ModelConfig& c = model_->config();
+  const int64_t d = c.n_embd;
+  const int64_t q_dim = int64_t{c.n_head} * c.head_dim;
+  const int64_t kv_dim = int64_t{c.n_head_kv} * c.head_dim;
+  Grow(x_, T * d);
+  Grow(xn_, T * d);
+  Grow(q_, T * q_dim);
+  Grow(k_, T * kv_dim);
+  Grow(v_, T * kv_dim);
+  Grow(attn_, T * q_dim);
+  Grow(gate_, T * c.n_ff);
+  Grow(up_, T * c.n_ff);
+  Grow(tmp_, T * d);
+  pos_.resize(T);
+
+  // Token rows of the batch: chunk after chunk. row_chunk maps a row to its chunk.
+  std::vector<int32_t> row_chunk(T);
+  {
+    int64_t r = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      for (size_t j = 0; j < chunks[i].tokens.size(); ++j, ++r) {
+        pos_[r] = chunks[i].start_pos + static_cast<int32_t>(j);
+        row_chunk[r] = static_cast<int32_t>(i);
+        kernels::GetRow(model_->token_embd().type, model_->token_embd().data, d,
+                        chunks[i].tokens[j], x_.data() + r * d);
+      }
+    }
+  }
+
+  kernels::RopeParams rope;
+  rope.mode = c.rope_mode;
+  rope.head_dim = c.head_dim;
+  rope.n_rot = c.n_rot;
+  rope.freq_base = c.rope_base;
+  rope.freq_scale = c.rope_freq_scale;
+  rope.freq_factors = model_->rope_freqs().empty() ? nullptr : model_->rope_freqs().data();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  util::ThreadPool* pool = &pool_;
+  // Small per-row work (norms, rope) only pays for threads when there are many rows.
+  const int64_t row_grain = 8;
+
+  for (int32_t l = 0; l < c.n_layer; ++l) {
+    const LayerWeights& w = model_->layer(l);
+    pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        kernels::RmsNorm(x_.data() + r * d, w.attn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
+      }
+    }, row_grain);
+    MatmulRows(w.wq, xn_.data(), T, q_.data(), pool);
+    MatmulRows(w.wk, xn_.data(), T, k_.data(), pool);
+    MatmulRows(w.wv, xn_.data(), T, v_.data(), pool);
+    AddBias(q_.data(), w.bq, T);
+    AddBias(k_.data(), w.bk, T);
+    AddBias(v_.data(), w.bv, T);
+    pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        kernels::Rope(rope, q_.data() + r * q_dim, c.n_head, pos_[r]);
+        kernels::Rope(rope, k_.data() + r * kv_dim, c.n_head_kv, pos_[r]);
+        kv_->Write(l, chunks[row_chunk[r]].block_table, pos_[r], k_.data() + r * kv_dim,
+                   v_.data() + r * kv_dim);
+      }
+    }, row_grain);
+
+    int64_t row = 0;
+    for (const SeqChunk& ch : chunks) {
+      const int64_t n = static_cast<int64_t>(ch.tokens.size());
+      kernels::PagedAttentionParams ap;
+      ap.q = q_.data() + row * q_dim;
+      ap.q_stride = q_dim;
+      ap.n_q = n;
+      ap.q_pos = pos_.data() + row;
+      ap.n_head = c.n_head;
+      ap.n_kv_head = c.n_head_kv;
+      ap.head_dim = c.head_dim;
+      ap.scale = scale;
+      ap.kv_type = kv_->options().type;
+      ap.k_cache = kv_->k_layer(l);
+      ap.v_cache = kv_->v_layer(l);
+      ap.block_size = kv_->block_size();
+      ap.block_table = ch.block_table.data();
+      ap.out = attn_.data() + row * q_dim;
+      ap.out_stride = q_dim;
+      kernels::PagedAttention(ap, pool);
+      row += n;
+    }
+
+    MatmulRows(w.wo, attn_.data(), T, tmp_.data(), pool);
+    kernels::AddInPlace(x_.data(), tmp_.data(), T * d);
+    pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        kernels::RmsNorm(x_.data() + r * d, w.ffn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
+      }
+    }, row_grain);
+    MatmulRows(w.w_gate, xn_.data(), T, gate_.data(), pool);
+    MatmulRows(w.w_up, xn_.data(), T, up_.data(), pool);
+    kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), T * c.n_ff);
+    MatmulRows(w.w_down, gate_.data(), T, tmp_.data(), pool);
+    kernels::AddInPlace(x_.data(), tmp_.data(), T * d);
+  }
+
+  // Final norm and classifier only for the rows whose logits were asked for.
+  int64_t n_out = 0;
+  {
+    int64_t row = 0;
+    for (const SeqChunk& ch : chunks) {
+      row += static_cast<int64_t>(ch.tokens.size());
+      if (!ch.want_logits) continue;
+      kernels::RmsNorm(x_.data() + (row - 1) * d, model_->output_norm().data(),
+                       xn_.data() + n_out * d, d, c.norm_eps);
+      ++n_out;
+    }
+  }
+  logits->resize(n_out * c.n_vocab);
+  if (n_out > 0) MatmulRows(model_->output(), xn_.data(), n_out, logits->data(), pool);
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::engine

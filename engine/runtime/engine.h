@@ -1,0 +1,75 @@
+// The step API shared by prefill and decode.
+//
+// Step runs one forward pass over a batch that mixes chunks of several sequences: a prefill
+// chunk (many tokens of one sequence) or a single decode token look the same, a span of tokens
+// at consecutive positions starting at start_pos. Every weight matrix is read once per step
+// for the whole batch, which is what makes continuous batching and chunked prefill pay.
+// Each chunk's K/V are written into its sequence's blocks; for chunks that ask, the logits of
+// the chunk's last token are returned.
+//
+// Block allocation belongs to the caller (the scheduler, or a decode service that reserved
+// blocks for a remote prefill): a chunk's block table must already cover its positions.
+// Threading: one thread calls Step at a time; Step uses the engine's thread pool inside.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/util/thread_pool.h"
+#include "engine/kv/kv_cache.h"
+#include "engine/model/model.h"
+
+namespace tandem::engine {
+
+struct EngineOptions {
+  int32_t threads = 1;
+  int32_t ctx_size = 0;      // max positions per sequence; 0: min(model context, 4096)
+  int32_t max_seqs = 8;      // sizes the KV pool when kv_blocks is 0
+  int32_t kv_blocks = 0;     // 0: enough for max_seqs full contexts
+  int32_t block_size = 16;
+  kernels::DType kv_type = kernels::DType::kF32;
+  int32_t max_batch_tokens = 512;  // tokens per step (chunked prefill splits longer prompts)
+};
+
+struct SeqChunk {
+  std::span<const int32_t> tokens;
+  int32_t start_pos = 0;
+  std::span<const int32_t> block_table;
+  bool want_logits = false;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
+                                                        const EngineOptions& o);
+
+  // INVALID_ARGUMENT for a token id outside the vocabulary, positions past ctx_size, a block
+  // table too short, or more than max_batch_tokens tokens. On success `logits` holds
+  // n_vocab floats for each chunk with want_logits, in chunk order.
+  absl::Status Step(std::span<const SeqChunk> chunks, std::vector<float>* logits);
+
+  const Model& model() const { return *model_; }
+  KvCache& kv() { return *kv_; }
+  const EngineOptions& options() const { return o_; }
+  int32_t ctx_size() const { return o_.ctx_size; }
+  util::ThreadPool& pool() { return pool_; }
+
+ private:
+  Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
+         std::unique_ptr<KvCache> kv);
+  absl::Status Validate(std::span<const SeqChunk> chunks, int64_t* n_tokens) const;
+
+  std::shared_ptr<const Model> model_;
+  EngineOptions o_;
+  std::unique_ptr<KvCache> kv_;
+  util::ThreadPool pool_;
+
+  // Scratch, grown on demand and reused between steps.
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
+  std::vector<int32_t> pos_;
+};
+
+}  // namespace tandem::engine

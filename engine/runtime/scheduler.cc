@@ -1,0 +1,185 @@
+#include "engine/runtime/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/util/status_util.h"
+
+namespace tandem::engine {
+
+struct Scheduler::Sequence {
+  GenerationRequest req;
+  std::vector<int32_t> tokens;  // prompt then generated
+  int64_t n_cached = 0;         // positions whose K/V are in the cache
+  std::vector<int32_t> blocks;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<StopChecker> stop;
+  std::unique_ptr<StreamingDecoder> decoder;
+  bool done = false;
+};
+
+Scheduler::Scheduler(Engine* engine) : engine_(engine) {}
+
+Scheduler::~Scheduler() {
+  for (auto& s : running_) engine_->kv().pool().UnrefAll(s->blocks);
+}
+
+absl::Status Scheduler::Submit(GenerationRequest req) {
+  const Tokenizer& tok = engine_->model().tokenizer();
+  const int32_t vocab = engine_->model().config().n_vocab;
+  if (req.prompt.empty()) {
+    return absl::InvalidArgumentError("prompt is empty (and the model adds no BOS token)");
+  }
+  for (int32_t t : req.prompt) {
+    if (t < 0 || t >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, vocab));
+  const int64_t ctx = engine_->ctx_size();
+  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens;
+  if (static_cast<int64_t>(req.prompt.size()) >= ctx) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt has ", req.prompt.size(),
+                                                   " tokens; the context holds ", ctx));
+  }
+  if (need > ctx) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt (", req.prompt.size(), " tokens) plus max_tokens (", req.sampling.max_tokens,
+        ") exceeds the context size ", ctx));
+  }
+  const int64_t bs = engine_->kv().block_size();
+  if ((need + bs - 1) / bs > engine_->kv().pool().num_blocks()) {
+    return absl::InvalidArgumentError("request needs more KV blocks than the whole pool holds");
+  }
+  auto s = std::make_unique<Sequence>();
+  s->tokens = req.prompt;
+  s->sampler = std::make_unique<Sampler>(req.sampling);
+  s->stop = std::make_unique<StopChecker>(req.sampling);
+  s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false);
+  s->req = std::move(req);
+  waiting_.push_back(std::move(s));
+  return absl::OkStatus();
+}
+
+void Scheduler::Finish(Sequence& s, FinishReason reason, absl::Status status) {
+  if (s.done) return;
+  s.done = true;
+  engine_->kv().pool().UnrefAll(s.blocks);
+  s.blocks.clear();
+  TokenEvent ev;
+  ev.finished = true;
+  ev.reason = reason;
+  ev.status = std::move(status);
+  if (ev.status.ok()) ev.text = s.stop->Flush() + s.decoder->Flush();
+  if (s.req.on_event) s.req.on_event(ev);
+}
+
+void Scheduler::Cancel(const std::string& id) {
+  for (auto& s : running_) {
+    if (s->req.id == id) Finish(*s, FinishReason::kNone, absl::CancelledError("cancelled"));
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if ((*it)->req.id == id) {
+      Finish(**it, FinishReason::kNone, absl::CancelledError("cancelled"));
+      waiting_.erase(it);
+      break;
+    }
+  }
+  std::erase_if(running_, [](const auto& s) { return s->done; });
+}
+
+void Scheduler::Admit() {
+  const int64_t bs = engine_->kv().block_size();
+  BlockPool& pool = engine_->kv().pool();
+  while (!waiting_.empty() &&
+         static_cast<int>(running_.size()) < engine_->options().max_seqs) {
+    Sequence& s = *waiting_.front();
+    const int64_t need = static_cast<int64_t>(s.tokens.size()) + s.req.sampling.max_tokens;
+    auto blocks = pool.AllocateN(static_cast<int32_t>((need + bs - 1) / bs));
+    if (!blocks.ok()) break;  // FIFO: wait for blocks to free up
+    s.blocks = std::move(*blocks);
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+}
+
+absl::StatusOr<bool> Scheduler::Iterate() {
+  Admit();
+  if (running_.empty()) return false;
+  const int64_t budget = engine_->options().max_batch_tokens;
+  std::vector<SeqChunk> chunks;
+  std::vector<Sequence*> chunk_seq;
+  int64_t used = 0;
+  // Decode tokens first (one each), so running streams keep their pace; then prefill chunks.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto& sp : running_) {
+      Sequence& s = *sp;
+      const int64_t pending = static_cast<int64_t>(s.tokens.size()) - s.n_cached;
+      const bool decoding = pending == 1;
+      if ((pass == 0) != decoding || pending <= 0) continue;
+      const int64_t n = std::min(pending, budget - used);
+      if (n <= 0) continue;
+      SeqChunk ch;
+      ch.tokens = std::span<const int32_t>(s.tokens).subspan(s.n_cached, n);
+      ch.start_pos = static_cast<int32_t>(s.n_cached);
+      ch.block_table = s.blocks;
+      ch.want_logits = (s.n_cached + n == static_cast<int64_t>(s.tokens.size()));
+      chunks.push_back(ch);
+      chunk_seq.push_back(&s);
+      used += n;
+    }
+  }
+  if (chunks.empty()) return false;
+  absl::Status st = engine_->Step(chunks, &logits_);
+  ++stats_.steps;
+  if (!st.ok()) {
+    for (Sequence* s : chunk_seq) Finish(*s, FinishReason::kNone, st);
+    std::erase_if(running_, [](const auto& s) { return s->done; });
+    return st;
+  }
+  const int32_t vocab = engine_->model().config().n_vocab;
+  const Tokenizer& tok = engine_->model().tokenizer();
+  int64_t out = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Sequence& s = *chunk_seq[i];
+    if (s.n_cached < static_cast<int64_t>(s.req.prompt.size())) {
+      stats_.prompt_tokens += static_cast<int64_t>(chunks[i].tokens.size());
+    }
+    s.n_cached += static_cast<int64_t>(chunks[i].tokens.size());
+    if (!chunks[i].want_logits) continue;
+    std::span<float> lg(logits_.data() + out * vocab, vocab);
+    ++out;
+    const int32_t next = s.sampler->Sample(lg, s.tokens);
+    s.tokens.push_back(next);
+    ++stats_.generated_tokens;
+    const bool eog = tok.IsEog(next);
+    std::string piece = eog ? std::string() : s.decoder->Push(next);
+    TokenEvent ev;
+    ev.token = next;
+    ev.text = s.stop->Push(next, piece, eog);
+    if (s.stop->reason() != FinishReason::kNone) {
+      ev.text += s.stop->Flush();
+      ev.finished = true;
+      ev.reason = s.stop->reason();
+      s.done = true;
+      engine_->kv().pool().UnrefAll(s.blocks);
+      s.blocks.clear();
+    }
+    if (s.req.on_event) s.req.on_event(ev);
+  }
+  std::erase_if(running_, [](const auto& s) { return s->done; });
+  return true;
+}
+
+absl::Status Scheduler::RunUntilIdle() {
+  for (;;) {
+    TANDEM_ASSIGN_OR_RETURN(bool progressed, Iterate());
+    if (!progressed && waiting_.empty()) return absl::OkStatus();
+    if (!progressed && running_.empty()) {
+      return absl::ResourceExhaustedError("requests waiting but none can be admitted");
+    }
+  }
+}
+
+}  // namespace tandem::engine

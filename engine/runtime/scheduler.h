@@ -1,0 +1,79 @@
+// An in-process continuous-batching loop over Engine::Step.
+//
+// Requests queue in arrival order. A request is admitted when the KV pool can hold its whole
+// prompt plus max_tokens (reserving up front means no preemption is ever needed). Every
+// iteration packs one decode token for each running sequence and fills the rest of the token
+// budget with prefill chunks (chunked prefill), runs one Step, samples, and reports tokens
+// through the request's callback. Finished sequences free their blocks at once.
+//
+// Threading: single-threaded; callbacks run on the thread that calls Run/Iterate.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/runtime/engine.h"
+#include "engine/sampling/sampler.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace tandem::engine {
+
+struct TokenEvent {
+  int32_t token = -1;  // -1 on the final event when no token accompanies it
+  std::string text;    // newly completed text (stop strings held back and removed)
+  bool finished = false;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status status;  // non-OK if the request failed
+};
+
+struct GenerationRequest {
+  std::string id;
+  std::vector<int32_t> prompt;  // already tokenised, BOS included where the model wants it
+  SamplingParams sampling;
+  std::function<void(const TokenEvent&)> on_event;
+};
+
+struct SchedulerStats {
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(Engine* engine);
+  ~Scheduler();
+
+  // Validates (prompt non-empty and in vocab, prompt + max_tokens within the context and the
+  // KV pool, sampling params) and queues. INVALID_ARGUMENT with the reason otherwise.
+  absl::Status Submit(GenerationRequest req);
+  // Cancels a queued or running request: its callback gets a final event with CANCELLED.
+  void Cancel(const std::string& id);
+
+  // One iteration: admit, step, sample. Returns false when there is nothing to do.
+  absl::StatusOr<bool> Iterate();
+  // Iterates until every request has finished.
+  absl::Status RunUntilIdle();
+
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  const SchedulerStats& stats() const { return stats_; }
+
+ private:
+  struct Sequence;
+  void Finish(Sequence& s, FinishReason reason, absl::Status status);
+  void Admit();
+
+  Engine* engine_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  SchedulerStats stats_;
+  std::vector<float> logits_;
+};
+
+}  // namespace tandem::engine

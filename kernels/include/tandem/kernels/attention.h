@@ -1,0 +1,43 @@
+// Causal attention of a sequence's new queries over its paged KV cache.
+//
+// Query i sits at position q_pos[i] and attends to cache positions [0, q_pos[i]] of the same
+// sequence (its own K/V must already be written). Keys and values are found through the
+// sequence's block table: position t lives in block block_table[t / block_size], slot
+// t % block_size. GQA: query head h reads kv head h / (n_head / n_kv_head).
+// Numerics follow llama.cpp's non-flash path: f32 dot products, scale, softmax with the max
+// subtracted and the exponential sum accumulated in double, then the weighted sum of values.
+// Threading: (query, head) pairs are split over the pool (nullptr: inline). Caller owns buffers.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/kernels/dtype.h"
+
+namespace tandem::util {
+class ThreadPool;
+}
+
+namespace tandem::kernels {
+
+struct PagedAttentionParams {
+  const float* q = nullptr;  // [n_q][n_head * head_dim], rows q_stride floats apart
+  int64_t q_stride = 0;
+  int64_t n_q = 0;
+  const int32_t* q_pos = nullptr;  // n_q positions
+  int64_t n_head = 0;
+  int64_t n_kv_head = 0;
+  int64_t head_dim = 0;
+  float scale = 1.0f;
+  DType kv_type = DType::kF32;  // kF32 or kF16
+  const void* k_cache = nullptr;  // this layer's K region: [block][slot][kv_head][head_dim]
+  const void* v_cache = nullptr;
+  int64_t block_size = 16;
+  const int32_t* block_table = nullptr;
+  float* out = nullptr;  // [n_q][n_head * head_dim], rows out_stride floats apart
+  int64_t out_stride = 0;
+};
+
+void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool);
+void PagedAttentionReference(const PagedAttentionParams& p);
+
+}  // namespace tandem::kernels

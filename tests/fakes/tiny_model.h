@@ -1,0 +1,29 @@
+// Writes a tiny random llama or qwen2 GGUF with a SentencePiece byte-fallback vocabulary, so
+// engine tests run without any downloaded model. Weights are deterministic for a seed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "tandem/kernels/dtype.h"
+
+namespace tandem::testing {
+
+struct TinyModelOptions {
+  std::string arch = "llama";  // or "qwen2" (biases, neox rope)
+  int32_t n_embd = 64;
+  int32_t n_layer = 2;
+  int32_t n_head = 4;
+  int32_t n_head_kv = 2;
+  int32_t n_ff = 128;
+  int32_t n_ctx = 256;
+  kernels::DType type = kernels::DType::kF32;  // type of the 2-D weight matrices
+  bool tied_output = false;
+  uint64_t seed = 1;
+};
+
+// Vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then a few words.
+absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path);
+
+}  // namespace tandem::testing
