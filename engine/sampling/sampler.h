@@ -3,6 +3,18 @@
 // tokens) live in StopChecker.
 //
 // A Sampler belongs to one sequence and is not thread-safe.
+//
+// Semantics (tests rely on them):
+// - Penalties follow llama.cpp over the last penalty_last_n tokens of history: a positive logit
+//   is divided by repetition_penalty, a non-positive one multiplied; then
+//   count * frequency_penalty + presence_penalty is subtracted.
+// - temperature 0: argmax, lowest id on ties.
+// - Otherwise top-k on the logits, then top-p and min-p on softmax(logits / temperature) (the
+//   distribution actually drawn from, as vLLM and HF do), then one draw from the survivors.
+// - The draw is a function of (seed, number of earlier draws, logits) alone, identical on every
+//   platform: raw mt19937_64 output turned into a 53-bit uniform double u, then the first
+//   survivor, walked in id order, at which the running weight exceeds u * total weight.
+// - Cost per token is linear in the vocabulary: no filter sorts the whole vocabulary.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +49,13 @@ struct SamplingParams {
 // max_tokens < 1, ids outside the vocabulary, empty stop strings).
 absl::Status ValidateSamplingParams(const SamplingParams& p, int32_t vocab_size);
 
+namespace sampling_internal {
+struct Candidate {
+  float logit;
+  int32_t id;
+};
+}  // namespace sampling_internal
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
@@ -45,8 +64,19 @@ class Sampler {
   int32_t Sample(std::span<float> logits, std::span<const int32_t> history);
 
  private:
+  void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history) const;
+  // The worst-ranked member of the top-p nucleus of cands_ (whose weights_ are current).
+  sampling_internal::Candidate NucleusEnd(double target, float max_logit, float inv_t);
+
   SamplingParams p_;
   std::mt19937_64 rng_;
+  // Scratch reused across calls so a 150k-vocabulary step does not allocate.
+  std::vector<sampling_internal::Candidate> cands_;
+  std::vector<sampling_internal::Candidate> scratch_;
+  std::vector<float> weights_;
+  std::vector<double> bucket_mass_;
+  std::vector<uint16_t> bucket_of_;
+  mutable std::vector<int32_t> window_;
 };
 
 enum class FinishReason { kNone, kStop, kLength };
