@@ -2,10 +2,17 @@
 //
 // Two families: SentencePiece-style BPE ("llama": scores, byte fallback <0xNN>, ▁ for spaces)
 // and byte-level BPE ("gpt2": merges, GPT-2 byte-to-unicode map, a pre-tokenizer regex chosen by
-// tokenizer.ggml.pre: default/gpt2, llama-bpe/llama3, qwen2, ...). Results match llama.cpp's
-// llama_tokenize / llama_token_to_piece on its vocab test vectors.
+// tokenizer.ggml.pre: default/gpt-2, llama-bpe/llama3, qwen2, qwen35, starcoder, falcon,
+// deepseek-llm, deepseek-coder and their aliases, see pre_tokenizer.h), plus Gemma 4's
+// SentencePiece-flavoured BPE ("gemma4"). Results match llama.cpp's
+// llama_tokenize / llama_token_to_piece / llama_detokenize, including its special-token rules
+// (parse_special partitioning, lstrip/rstrip, control tokens detected by their text).
 //
-// A Tokenizer is immutable after creation and safe to use from many threads.
+// Threading: a Tokenizer is immutable after creation and safe to use from many threads; it
+// copies what it needs, so the GgufFile may be closed afterwards. A StreamingDecoder belongs to
+// one sequence and one thread.
+// Errors: only FromGguf fails; encoding and decoding accept any bytes and ids (invalid UTF-8
+// is handled as llama.cpp does, unknown ids decode to nothing).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +27,10 @@
 
 namespace tandem::engine {
 
+// The token's type as llama.cpp ends up treating it: the GGUF token_type, except that tokens
+// llama.cpp recognises by their text as end-of-turn/FIM markers become kControl.
 enum class TokenAttr : uint8_t {
+  kUndefined = 0,
   kNormal = 1,
   kUnknown = 2,
   kControl = 3,
@@ -48,16 +58,25 @@ class Tokenizer {
   virtual std::string TokenToPiece(int32_t id, bool special) const = 0;
 
   // Ids to text, as llama.cpp's llama_detokenize(remove_special=false, unparse_special=special):
-  // for SentencePiece models the leading space of the first piece after BOS is removed.
+  // with add_space_prefix (SentencePiece models) one leading space of the FIRST id's piece is
+  // removed, whatever that id is. So Decode({bos, "▁Hello"}) is " Hello" (the BOS consumes the
+  // strip, exactly as in llama.cpp), while Decode({"▁Hello"}) is "Hello". Byte-level BPE models
+  // with clean_spaces (most, see pre_tokenizer.h) also get llama.cpp's clean-up of " ." " ,"
+  // " 's" and similar.
   std::string Decode(std::span<const int32_t> ids, bool special) const;
 
   int32_t vocab_size() const { return static_cast<int32_t>(pieces_.size()); }
   int32_t bos_id() const { return bos_id_; }  // -1 when none
   int32_t eos_id() const { return eos_id_; }  // -1 when none
+  int32_t eot_id() const { return eot_id_; }  // -1 when none
+  int32_t unk_id() const { return unk_id_; }  // -1 when none
+  int32_t pad_id() const { return pad_id_; }  // -1 when none
+  bool add_space_prefix() const { return add_space_prefix_; }
   bool add_bos() const { return add_bos_; }
   bool add_eos() const { return add_eos_; }
   // End-of-generation: eos, eot, eom and similar tokens.
   bool IsEog(int32_t id) const;
+  const std::vector<int32_t>& eog_ids() const { return eog_ids_; }    // sorted
   const std::string& piece(int32_t id) const { return pieces_[id]; }  // raw vocab string
   TokenAttr attr(int32_t id) const { return attrs_[id]; }
   bool IsSentencePiece() const { return is_spm_; }
@@ -69,20 +88,38 @@ class Tokenizer {
   std::vector<int32_t> eog_ids_;
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;
+  int32_t eot_id_ = -1;
+  int32_t unk_id_ = -1;
+  int32_t pad_id_ = -1;
   bool add_bos_ = false;
   bool add_eos_ = false;
   bool is_spm_ = false;
+  bool add_space_prefix_ = false;
+  bool clean_spaces_ = false;
 };
 
 // Turns a stream of token ids into text without ever emitting a broken UTF-8 sequence: bytes
-// of an incomplete character are held until the character completes. Not thread-safe (one per
-// sequence).
+// of an incomplete character are held until the character completes; bytes that can never
+// form a character become U+FFFD as soon as that is certain (an incomplete tail only at Flush).
+// Every returned chunk is valid UTF-8.
+//
+// Leading space (models with add_space_prefix, i.e. SentencePiece): one leading space is
+// removed from the piece of the first token of the stream (as Decode does) and from the piece
+// of the token right after a BOS (as llama2.c's run.c prints). Pass continuation=true when the
+// stream continues text that is already shown (e.g. a completion after its prompt): then the
+// first token keeps its space. Unlike Decode, no clean_spaces clean-up is applied (it would need
+// look-ahead); for streams without BOS on SentencePiece models the concatenated output equals
+// Decode(ids) whenever Decode's bytes are valid UTF-8.
+//
+// The Tokenizer must outlive the decoder. Not thread-safe (one per sequence).
 class StreamingDecoder {
  public:
-  StreamingDecoder(const Tokenizer& tok, bool special) : tok_(tok), special_(special) {}
+  StreamingDecoder(const Tokenizer& tok, bool special, bool continuation = false)
+      : tok_(tok), special_(special), first_(!continuation) {}
   // Appends a token; returns the text that became complete (possibly empty).
   std::string Push(int32_t id);
-  // Returns what is left at the end of the stream; invalid leftovers become U+FFFD.
+  // Returns what is left at the end of the stream; invalid leftovers become U+FFFD. The decoder
+  // can be reused afterwards as if continuing the same text.
   std::string Flush();
 
  private:
