@@ -56,7 +56,11 @@ absl::Status Scheduler::Submit(GenerationRequest req) {
   s->tokens = req.prompt;
   s->sampler = std::make_unique<Sampler>(req.sampling);
   s->stop = std::make_unique<StopChecker>(req.sampling);
-  s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false);
+  // A completion continues prompt text already shown, so its first token keeps its leading
+  // space; after a bare BOS the stream starts fresh and the space goes (as llama2.c prints).
+  const bool continuation =
+      std::any_of(req.prompt.begin(), req.prompt.end(), [&](int32_t t) { return t != tok.bos_id(); });
+  s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false, continuation);
   s->req = std::move(req);
   waiting_.push_back(std::move(s));
   return absl::OkStatus();
