@@ -1,1 +1,520 @@
-// placeholder
+// Matmul driver: converts activations once per call into the weight type's vec-dot format
+// (internal::ActRow planes), then walks the weight rows in blocks, each thread owning a
+// contiguous range of rows. Within a row block every batch tile of kMaxTile activation rows is
+// applied in turn, so a block of weight rows is fetched from memory once and re-read from cache
+// for the other tiles, and each tile kernel reads a weight row once for all its activation rows.
+// The tile kernels come from the best ISA level present (internal::*::GetTileKernels), with the
+// scalar ones below as the portable fallback and as the definition of the numerics.
+#include "tandem/kernels/matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common/util/thread_pool.h"
+#include "internal.h"
+#include "tandem/kernels/cpu_features.h"
+#include "tandem/kernels/fp16.h"
+#include "tandem/kernels/quant.h"
+
+namespace tandem::kernels {
+namespace {
+
+using internal::ActRow;
+using internal::BlockMxfp4;
+using internal::BlockQ4_0;
+using internal::BlockQ4K;
+using internal::BlockQ6K;
+using internal::BlockQ8_0;
+using internal::BlockQ8K;
+using internal::kMaxTile;
+using internal::kMxfp4Values;
+using internal::kQKK;
+using internal::TileFn;
+using internal::TileKernels;
+
+[[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "tandem::kernels::Matmul: %s\n", what);
+  std::abort();
+}
+
+float E8m0Half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- Activation conversion -------------------------------------------------------------------
+
+// llama.cpp's x86 quantize_row_q8_0: scale amax/127 stored as fp16, values x * (127/amax)
+// rounded to nearest even.
+void QuantizeQ8_0Block(const float* x, int8_t* q, uint16_t* d16) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  *d16 = F32ToFp16(amax / 127.0f);
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    // Adding 1.5 * 2^23 rounds to an integer, ties to even, for |v| < 2^22.
+    const float biased = x[j] * id + 12582912.0f;
+    int32_t bits;
+    std::memcpy(&bits, &biased, 4);
+    const int v = (bits & 0x007fffff) - 0x00400000;
+    q[j] = static_cast<int8_t>(std::clamp(v, -128, 127));
+  }
+}
+
+struct ActLayout {
+  size_t values = 0;  // bytes of each plane for one row, each rounded up to 64
+  size_t scales = 0;
+  size_t bsums = 0;
+  size_t Total() const { return values + scales + bsums; }
+};
+
+size_t RoundUp64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+ActLayout LayoutFor(DType vt, int64_t n) {
+  ActLayout l;
+  switch (vt) {
+    case DType::kF32:
+    case DType::kF16:
+      l.values = RoundUp64(n * sizeof(float));
+      break;
+    case DType::kBF16:
+      l.values = RoundUp64(n * sizeof(uint16_t));
+      break;
+    case DType::kQ8_0:
+      l.values = RoundUp64(n);
+      l.scales = RoundUp64(n / 32 * sizeof(float));
+      break;
+    case DType::kQ8_K:
+      l.values = RoundUp64(n);
+      l.scales = RoundUp64(n / kQKK * sizeof(float));
+      l.bsums = RoundUp64(n / 16 * sizeof(int16_t));
+      break;
+    default:
+      Fail("no activation layout for this type");
+  }
+  return l;
+}
+
+void ConvertActivation(DType vt, const float* x, int64_t n, uint8_t* dst, const ActLayout& l,
+                       ActRow* row) {
+  row->values = dst;
+  row->scales = l.scales ? reinterpret_cast<const float*>(dst + l.values) : nullptr;
+  row->bsums = l.bsums ? reinterpret_cast<const int16_t*>(dst + l.values + l.scales) : nullptr;
+  switch (vt) {
+    case DType::kF32:
+      std::memcpy(dst, x, n * sizeof(float));
+      return;
+    case DType::kF16: {
+      // Round through fp16 but keep floats: the products are then those of ggml's fp16 dot.
+      auto* v = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) v[i] = Fp16ToF32(F32ToFp16(x[i]));
+      return;
+    }
+    case DType::kBF16: {
+      auto* v = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) v[i] = F32ToBf16(x[i]);
+      return;
+    }
+    case DType::kQ8_0: {
+      auto* q = reinterpret_cast<int8_t*>(dst);
+      auto* s = reinterpret_cast<float*>(dst + l.values);
+      for (int64_t b = 0; b < n / 32; ++b) {
+        uint16_t d16;
+        QuantizeQ8_0Block(x + 32 * b, q + 32 * b, &d16);
+        s[b] = Fp16ToF32(d16);
+      }
+      return;
+    }
+    case DType::kQ8_K: {
+      auto* q = reinterpret_cast<int8_t*>(dst);
+      auto* s = reinterpret_cast<float*>(dst + l.values);
+      auto* bs = reinterpret_cast<int16_t*>(dst + l.values + l.scales);
+      for (int64_t b = 0; b < n / kQKK; ++b) {
+        BlockQ8K blk;
+        (void)QuantizeRow(DType::kQ8_K, x + kQKK * b, &blk, kQKK);
+        std::memcpy(q + kQKK * b, blk.qs, kQKK);
+        s[b] = blk.d;
+        std::memcpy(bs + 16 * b, blk.bsums, sizeof(blk.bsums));
+      }
+      return;
+    }
+    default:
+      Fail("no activation conversion for this type");
+  }
+}
+
+// ---- Scalar dot products (the reference numerics of the SIMD kernels) ---------------------------
+
+float DotF32(const float* w, const float* a, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) part[k] += w[i + k] * a[i + k];
+  }
+  float sum = 0;
+  for (; i < n; ++i) sum += w[i] * a[i];
+  for (int k = 0; k < 8; ++k) sum += part[k];
+  return sum;
+}
+
+float DotF16(const uint16_t* w, const float* a, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) part[k] += Fp16ToF32(w[i + k]) * a[i + k];
+  }
+  float sum = 0;
+  for (; i < n; ++i) sum += Fp16ToF32(w[i]) * a[i];
+  for (int k = 0; k < 8; ++k) sum += part[k];
+  return sum;
+}
+
+float DotBf16(const uint16_t* w, const uint16_t* a, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) part[k] += Bf16ToF32(w[i + k]) * Bf16ToF32(a[i + k]);
+  }
+  float sum = 0;
+  for (; i < n; ++i) sum += Bf16ToF32(w[i]) * Bf16ToF32(a[i]);
+  for (int k = 0; k < 8; ++k) sum += part[k];
+  return sum;
+}
+
+float DotQ8_0(const BlockQ8_0* x, const ActRow& a, int64_t n) {
+  const auto* q = static_cast<const int8_t*>(a.values);
+  float sum = 0;
+  for (int64_t b = 0; b < n / 32; ++b, q += 32) {
+    int isum = 0;
+    for (int j = 0; j < 32; ++j) isum += x[b].qs[j] * q[j];
+    sum += (Fp16ToF32(x[b].d) * a.scales[b]) * static_cast<float>(isum);
+  }
+  return sum;
+}
+
+float DotQ4_0(const BlockQ4_0* x, const ActRow& a, int64_t n) {
+  const auto* q = static_cast<const int8_t*>(a.values);
+  float sum = 0;
+  for (int64_t b = 0; b < n / 32; ++b, q += 32) {
+    int isum = 0;
+    for (int j = 0; j < 16; ++j) {
+      isum += ((x[b].qs[j] & 0xf) - 8) * q[j];
+      isum += ((x[b].qs[j] >> 4) - 8) * q[j + 16];
+    }
+    sum += (Fp16ToF32(x[b].d) * a.scales[b]) * static_cast<float>(isum);
+  }
+  return sum;
+}
+
+float DotMxfp4(const BlockMxfp4* x, const ActRow& a, int64_t n) {
+  const auto* q = static_cast<const int8_t*>(a.values);
+  float sum = 0;
+  for (int64_t b = 0; b < n / 32; ++b, q += 32) {
+    int isum = 0;
+    for (int j = 0; j < 16; ++j) {
+      isum += kMxfp4Values[x[b].qs[j] & 0xf] * q[j];
+      isum += kMxfp4Values[x[b].qs[j] >> 4] * q[j + 16];
+    }
+    sum += (E8m0Half(x[b].e) * a.scales[b]) * static_cast<float>(isum);
+  }
+  return sum;
+}
+
+void UnpackQ4KScales(const uint8_t* s, int* sc, int* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Q4_K: sum_j d*sc_j * (q . a)_j  -  dmin * sum_j mn_j * (sum of a over sub-block j), the
+// integer parts exact per super-block, scaled once in float.
+float DotQ4K(const BlockQ4K* x, const ActRow& a, int64_t n) {
+  const auto* q8 = static_cast<const int8_t*>(a.values);
+  float sum = 0, sum_min = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b, q8 += kQKK) {
+    int sc[8], mn[8];
+    UnpackQ4KScales(x[b].scales, sc, mn);
+    int isum = 0, imin = 0;
+    for (int g = 0; g < 4; ++g) {
+      int lo = 0, hi = 0;
+      for (int i = 0; i < 32; ++i) {
+        lo += (x[b].qs[32 * g + i] & 0xf) * q8[64 * g + i];
+        hi += (x[b].qs[32 * g + i] >> 4) * q8[64 * g + 32 + i];
+      }
+      isum += sc[2 * g] * lo + sc[2 * g + 1] * hi;
+    }
+    const int16_t* bs = a.bsums + 16 * b;
+    for (int j = 0; j < 8; ++j) imin += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+    sum += Fp16ToF32(x[b].d) * a.scales[b] * static_cast<float>(isum);
+    sum_min += Fp16ToF32(x[b].dmin) * a.scales[b] * static_cast<float>(imin);
+  }
+  return sum - sum_min;
+}
+
+float DotQ6K(const BlockQ6K* x, const ActRow& a, int64_t n) {
+  const auto* q8 = static_cast<const int8_t*>(a.values);
+  float sum = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b, q8 += kQKK) {
+    int isum = 0;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = x[b].ql + 64 * h;
+      const uint8_t* qh = x[b].qh + 32 * h;
+      const int8_t* sc = x[b].scales + 8 * h;
+      const int8_t* a8 = q8 + 128 * h;
+      int part[8] = {};
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 16;
+        part[g] += (((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32) * a8[l];
+        part[g + 2] += (((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32) * a8[l + 32];
+        part[g + 4] += (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * a8[l + 64];
+        part[g + 6] += (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * a8[l + 96];
+      }
+      for (int g = 0; g < 8; ++g) isum += sc[g] * part[g];
+    }
+    sum += Fp16ToF32(x[b].d) * a.scales[b] * static_cast<float>(isum);
+  }
+  return sum;
+}
+
+template <typename DotFn>
+void ScalarTile(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int nb, float* out,
+                int64_t os, DotFn dot) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    for (int b = 0; b < nb; ++b) out[b * os + r] = dot(w + r * ws, act[b]);
+  }
+}
+
+#define TANDEM_SCALAR_TILE(NAME, EXPR)                                                           \
+  void NAME(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int nb, int64_t cols, \
+            float* out, int64_t os) {                                                            \
+    ScalarTile(w, ws, nrows, act, nb, out, os,                                                   \
+               [cols](const uint8_t* row, const ActRow& a) { return EXPR; });                    \
+  }
+
+TANDEM_SCALAR_TILE(TileF32, DotF32(reinterpret_cast<const float*>(row),
+                                   static_cast<const float*>(a.values), cols))
+TANDEM_SCALAR_TILE(TileF16, DotF16(reinterpret_cast<const uint16_t*>(row),
+                                   static_cast<const float*>(a.values), cols))
+TANDEM_SCALAR_TILE(TileBf16, DotBf16(reinterpret_cast<const uint16_t*>(row),
+                                     static_cast<const uint16_t*>(a.values), cols))
+TANDEM_SCALAR_TILE(TileQ8_0, DotQ8_0(reinterpret_cast<const BlockQ8_0*>(row), a, cols))
+TANDEM_SCALAR_TILE(TileQ4_0, DotQ4_0(reinterpret_cast<const BlockQ4_0*>(row), a, cols))
+TANDEM_SCALAR_TILE(TileMxfp4, DotMxfp4(reinterpret_cast<const BlockMxfp4*>(row), a, cols))
+TANDEM_SCALAR_TILE(TileQ4K, DotQ4K(reinterpret_cast<const BlockQ4K*>(row), a, cols))
+TANDEM_SCALAR_TILE(TileQ6K, DotQ6K(reinterpret_cast<const BlockQ6K*>(row), a, cols))
+#undef TANDEM_SCALAR_TILE
+
+// ---- Dispatch ----------------------------------------------------------------------------------
+
+TileFn Pick(const TileKernels& k, DType t) {
+  switch (t) {
+    case DType::kF32:
+      return k.f32;
+    case DType::kF16:
+      return k.f16;
+    case DType::kBF16:
+      return k.bf16;
+    case DType::kQ8_0:
+      return k.q8_0;
+    case DType::kQ4_0:
+      return k.q4_0;
+    case DType::kMXFP4:
+      return k.mxfp4;
+    case DType::kQ4_K:
+      return k.q4_k;
+    case DType::kQ6_K:
+      return k.q6_k;
+    default:
+      return nullptr;
+  }
+}
+
+TileFn SelectTile(DType t) {
+  static const TileKernels scalar = internal::ScalarTileKernels();
+#if TANDEM_KERNELS_X86
+  static const TileKernels avx2 =
+      DetectedIsa() >= Isa::kAvx2 ? internal::avx2::GetTileKernels() : TileKernels{};
+  static const TileKernels avx512 =
+      DetectedIsa() >= Isa::kAvx512 ? internal::avx512::GetTileKernels(false) : TileKernels{};
+  static const TileKernels avx512bf16 =
+      DetectedIsa() >= Isa::kAvx512Bf16 ? internal::avx512::GetTileKernels(true) : TileKernels{};
+#else
+  static const TileKernels avx2, avx512, avx512bf16;  // no SIMD kernels off x86
+#endif
+  const Isa isa = ActiveIsa();
+  TileFn fn = nullptr;
+  if (isa >= Isa::kAvx512Bf16) fn = Pick(avx512bf16, t);
+  if (!fn && isa >= Isa::kAvx512) fn = Pick(avx512, t);
+  if (!fn && isa >= Isa::kAvx2) fn = Pick(avx2, t);
+  if (!fn) fn = Pick(scalar, t);
+  if (!fn) Fail("weight type not supported");
+  return fn;
+}
+
+// Converted activations of one call. Lives on the calling thread and is reused between calls,
+// so steady-state decode allocates nothing.
+struct ActScratch {
+  std::vector<uint8_t> bytes;
+  std::vector<ActRow> rows;
+};
+
+ActScratch& Scratch() {
+  thread_local ActScratch s;
+  return s;
+}
+
+// Weight rows per block: with kMaxTile activation rows per tile, a block is re-read from L2 for
+// each further tile of a big batch instead of from memory.
+constexpr int64_t kRowBlock = 16;
+
+void CheckParams(const MatmulParams& p) {
+  if (p.weight == nullptr || p.input == nullptr || p.output == nullptr) Fail("null buffer");
+  if (p.rows < 0 || p.cols <= 0 || p.batch < 0) Fail("bad shape");
+  if (p.cols % Traits(p.weight_type).block_elems != 0)
+    Fail("cols is not a multiple of the block size");
+  if (p.input_stride != 0 && p.input_stride < p.cols) Fail("input_stride < cols");
+  if (p.output_stride != 0 && p.output_stride < p.rows) Fail("output_stride < rows");
+}
+
+}  // namespace
+
+namespace internal {
+
+TileKernels ScalarTileKernels() {
+  TileKernels k;
+  k.f32 = TileF32;
+  k.f16 = TileF16;
+  k.bf16 = TileBf16;
+  k.q8_0 = TileQ8_0;
+  k.q4_0 = TileQ4_0;
+  k.mxfp4 = TileMxfp4;
+  k.q4_k = TileQ4K;
+  k.q6_k = TileQ6K;
+  return k;
+}
+
+}  // namespace internal
+
+DType VecDotType(DType weight_type) {
+  switch (weight_type) {
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kMXFP4:
+      return DType::kQ8_0;
+    case DType::kQ4_K:
+    case DType::kQ6_K:
+      return DType::kQ8_K;
+    case DType::kF16:
+      return DType::kF16;
+    case DType::kBF16:
+      return DType::kBF16;
+    default:
+      return DType::kF32;
+  }
+}
+
+void QuantizeActivationRow(DType vec_dot_type, const float* x, void* dst, int64_t n) {
+  if (vec_dot_type == DType::kQ8_0) {
+    auto* blocks = static_cast<BlockQ8_0*>(dst);
+    for (int64_t b = 0; b < n / 32; ++b) QuantizeQ8_0Block(x + 32 * b, blocks[b].qs, &blocks[b].d);
+    return;
+  }
+  (void)QuantizeRow(vec_dot_type, x, dst, n);
+}
+
+void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
+  CheckParams(p);
+  if (p.rows == 0 || p.batch == 0) return;
+  const int64_t in_stride = p.input_stride ? p.input_stride : p.cols;
+  const int64_t out_stride = p.output_stride ? p.output_stride : p.rows;
+  const DType vt = VecDotType(p.weight_type);
+  const TileFn tile = SelectTile(p.weight_type);
+
+  const ActLayout layout = LayoutFor(vt, p.cols);
+  const size_t row_bytes = layout.Total();
+  ActScratch& scratch = Scratch();
+  if (scratch.bytes.size() < row_bytes * p.batch + 64)
+    scratch.bytes.resize(row_bytes * p.batch + 64);
+  scratch.rows.resize(p.batch);
+  uint8_t* base = scratch.bytes.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  auto convert = [&](int64_t b0, int64_t b1, int) {
+    for (int64_t b = b0; b < b1; ++b) {
+      ConvertActivation(vt, p.input + b * in_stride, p.cols, base + b * row_bytes, layout,
+                        &scratch.rows[b]);
+    }
+  };
+  if (pool != nullptr && p.batch > 1 && p.batch * p.cols >= (1 << 16)) {
+    pool->ParallelFor(p.batch, convert);
+  } else {
+    convert(0, p.batch, 0);
+  }
+
+  const auto* w = static_cast<const uint8_t*>(p.weight);
+  const size_t w_stride = RowBytes(p.weight_type, p.cols);
+  const ActRow* act = scratch.rows.data();
+  auto run_rows = [&](int64_t r0, int64_t r1, int) {
+    for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+      const int64_t nr = std::min(kRowBlock, r1 - rb);
+      for (int64_t b0 = 0; b0 < p.batch; b0 += kMaxTile) {
+        const int nb = static_cast<int>(std::min<int64_t>(kMaxTile, p.batch - b0));
+        tile(w + rb * w_stride, w_stride, nr, act + b0, nb, p.cols, p.output + b0 * out_stride + rb,
+             out_stride);
+      }
+    }
+  };
+  if (pool != nullptr && pool->num_threads() > 1) {
+    // Keep each chunk worth a thread hand-off (~64K multiply-adds).
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (p.cols * p.batch));
+    pool->ParallelFor(p.rows, run_rows, grain);
+  } else {
+    run_rows(0, p.rows, 0);
+  }
+}
+
+void MatmulReference(const MatmulParams& p) {
+  CheckParams(p);
+  const int64_t in_stride = p.input_stride ? p.input_stride : p.cols;
+  const int64_t out_stride = p.output_stride ? p.output_stride : p.rows;
+  const auto* w = static_cast<const uint8_t*>(p.weight);
+  const size_t w_stride = RowBytes(p.weight_type, p.cols);
+  std::vector<float> row(p.cols);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    DequantizeRow(p.weight_type, w + r * w_stride, row.data(), p.cols);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const float* x = p.input + b * in_stride;
+      double sum = 0;
+      for (int64_t c = 0; c < p.cols; ++c) sum += static_cast<double>(row[c]) * x[c];
+      p.output[b * out_stride + r] = static_cast<float>(sum);
+    }
+  }
+}
+
+float DotRow(DType t, const void* row, const float* x, int64_t n) {
+  float out;
+  MatmulParams p;
+  p.weight_type = t;
+  p.weight = row;
+  p.rows = 1;
+  p.cols = n;
+  p.input = x;
+  p.batch = 1;
+  p.output = &out;
+  Matmul(p, nullptr);
+  return out;
+}
+
+void GetRow(DType t, const void* weight, int64_t cols, int64_t r, float* out) {
+  DequantizeRow(t, static_cast<const uint8_t*>(weight) + r * RowBytes(t, cols), out, cols);
+}
+
+}  // namespace tandem::kernels

@@ -8,6 +8,9 @@
 // That keeps tandem's numerics close to llama.cpp's. MatmulReference dequantises the weights and
 // accumulates in double with the float activations: the ground truth for tests.
 // Threading: Matmul splits rows over the pool (nullptr: run inline). Caller owns all buffers.
+// Matmul's SIMD path is picked at run time (see cpu_features.h); it keeps a per-calling-thread
+// scratch buffer for the converted activations. Bad shapes (cols not a multiple of the block
+// size, null buffers, strides below the row length) are programmer errors and abort.
 #pragma once
 
 #include <cstdint>
@@ -41,5 +44,14 @@ float DotRow(DType t, const void* row, const float* x, int64_t n);
 
 // Row r of a weight matrix dequantised to floats (embedding lookup).
 void GetRow(DType t, const void* weight, int64_t cols, int64_t r, float* out);
+
+// The activation format Matmul converts inputs into for weights of type t (see above).
+DType VecDotType(DType weight_type);
+
+// Converts n activations into the ggml row layout of vec_dot_type (one of VecDotType's
+// results) exactly as Matmul does, so callers and tests can reproduce Matmul's rounding.
+// Q8_0 here follows llama.cpp's x86 CPU backend (scale 127/amax, ties to even), which can differ
+// in the last bit from QuantizeRow's reference quantiser; the others equal QuantizeRow.
+void QuantizeActivationRow(DType vec_dot_type, const float* x, void* dst, int64_t n);
 
 }  // namespace tandem::kernels

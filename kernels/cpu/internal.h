@@ -1,0 +1,110 @@
+// Private to the CPU kernels: ggml block layouts, the converted-activation view the matmul
+// tiles read, and the entry points of the per-ISA translation units (matmul_avx2.cc,
+// matmul_avx512.cc, fp16_avx2.cc, activation_avx2.cc). Those files are compiled with wider
+// -m flags than the rest, so nothing here may be an inline function or template shared with
+// baseline code (the linker could keep the wide copy); only plain declarations and PODs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tandem/kernels/dtype.h"
+
+namespace tandem::kernels::internal {
+
+inline constexpr int kQK8_0 = 32;
+inline constexpr int kQK4_0 = 32;
+inline constexpr int kQKMxfp4 = 32;
+inline constexpr int kQKK = 256;
+
+struct BlockQ8_0 {
+  uint16_t d;  // fp16
+  int8_t qs[kQK8_0];
+};
+static_assert(sizeof(BlockQ8_0) == 34);
+
+struct BlockQ4_0 {
+  uint16_t d;  // fp16
+  uint8_t qs[kQK4_0 / 2];
+};
+static_assert(sizeof(BlockQ4_0) == 18);
+
+struct BlockMxfp4 {
+  uint8_t e;  // E8M0
+  uint8_t qs[kQKMxfp4 / 2];
+};
+static_assert(sizeof(BlockMxfp4) == 17);
+
+struct BlockQ4K {
+  uint16_t d;     // fp16 super-scale of the 6-bit scales
+  uint16_t dmin;  // fp16 super-scale of the 6-bit mins
+  uint8_t scales[12];
+  uint8_t qs[kQKK / 2];
+};
+static_assert(sizeof(BlockQ4K) == 144);
+
+struct BlockQ6K {
+  uint8_t ql[kQKK / 2];
+  uint8_t qh[kQKK / 4];
+  int8_t scales[kQKK / 16];
+  uint16_t d;  // fp16
+};
+static_assert(sizeof(BlockQ6K) == 210);
+
+struct BlockQ8K {
+  float d;
+  int8_t qs[kQKK];
+  int16_t bsums[kQKK / 16];
+};
+static_assert(sizeof(BlockQ8K) == 292);
+
+// E2M1 values doubled (ggml's kvalues_mxfp4), so that they are integers.
+inline constexpr int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                            0, -1, -2, -3, -4, -6, -8, -12};
+
+// One activation row converted to the weight type's vec-dot format, split into planes so
+// SIMD loads are aligned and scales need no fp16 decoding in the inner loops:
+//   F32: values = float[n]
+//   F16: values = float[n], each rounded through fp16 (same products as ggml's fp16 dot)
+//   BF16: values = uint16 bf16[n]
+//   Q8_0: values = int8[n], scales = float[n/32] (the fp16 block scale, decoded)
+//   Q8_K: values = int8[n], scales = float[n/256], bsums = int16[n/16]
+struct ActRow {
+  const void* values = nullptr;
+  const float* scales = nullptr;
+  const int16_t* bsums = nullptr;
+};
+
+inline constexpr int kMaxTile = 4;  // activation rows one tile call handles
+
+// Computes out[b * out_stride + r] = dot(weight row r, act[b]) for r < nrows, b < nb.
+// w points at row 0 of the tile; rows are w_stride bytes apart.
+using TileFn = void (*)(const uint8_t* w, size_t w_stride, int64_t nrows, const ActRow* act, int nb,
+                        int64_t cols, float* out, int64_t out_stride);
+
+// Tile functions per weight type; null where a level has no kernel of its own.
+struct TileKernels {
+  TileFn f32 = nullptr;
+  TileFn f16 = nullptr;
+  TileFn bf16 = nullptr;
+  TileFn q8_0 = nullptr;
+  TileFn q4_0 = nullptr;
+  TileFn mxfp4 = nullptr;
+  TileFn q4_k = nullptr;
+  TileFn q6_k = nullptr;
+};
+
+TileKernels ScalarTileKernels();
+
+namespace avx2 {
+TileKernels GetTileKernels();
+void Fp16ToF32Row(const uint16_t* src, float* dst, int64_t n);
+void F32ToFp16Row(const float* src, uint16_t* dst, int64_t n);
+void SwiGlu(const float* gate, const float* up, float* out, int64_t n);
+}  // namespace avx2
+
+namespace avx512 {
+TileKernels GetTileKernels(bool with_bf16);
+}  // namespace avx512
+
+}  // namespace tandem::kernels::internal

@@ -1,0 +1,351 @@
+// AVX-512 matmul tiles (this file is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq
+// -mavx512vnni and only called when the CPU has them). The quantised types reuse the 256-bit
+// tiles with VNNI dot products; the float types get 512-bit tiles, and BF16 uses VDPBF16PS
+// (behind a function target attribute, since AVX512_BF16 is a separate feature).
+#define TANDEM_TILES_VNNI 1
+#include "matmul_x86_tiles.h"
+
+namespace tandem::kernels::internal {
+namespace {
+
+inline __m512 Load512F32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load512F16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 Load512Bf16(const uint16_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+inline __m512 Load512F32Masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load512F16Masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+inline __m512 Load512Bf16Masked(const uint16_t* p, __mmask16 m) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+template <int NB, typename WT, typename AT, __m512 (*LW)(const WT*), __m512 (*LA)(const AT*),
+          __m512 (*LWM)(const WT*, __mmask16), __m512 (*LAM)(const AT*, __mmask16)>
+void TileFloat512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                  float* out, int64_t os) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    const WT* x = reinterpret_cast<const WT*>(w + r * ws);
+    __m512 acc0[NB], acc1[NB];
+    for (int b = 0; b < NB; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= cols; i += 32) {
+      const __m512 w0 = LW(x + i), w1 = LW(x + i + 16);
+      for (int b = 0; b < NB; ++b) {
+        const AT* a = static_cast<const AT*>(act[b].values);
+        acc0[b] = _mm512_fmadd_ps(w0, LA(a + i), acc0[b]);
+        acc1[b] = _mm512_fmadd_ps(w1, LA(a + i + 16), acc1[b]);
+      }
+    }
+    for (; i < cols; i += 16) {
+      const int64_t left = cols - i;
+      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const __m512 w0 = LWM(x + i, m);
+      for (int b = 0; b < NB; ++b) {
+        acc0[b] = _mm512_fmadd_ps(w0, LAM(static_cast<const AT*>(act[b].values) + i, m), acc0[b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      out[b * os + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[b], acc1[b]));
+  }
+}
+
+template <int NB>
+void TileF32Impl512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                    float* out, int64_t os) {
+  TileFloat512<NB, float, float, Load512F32, Load512F32, Load512F32Masked, Load512F32Masked>(
+      w, ws, nrows, act, cols, out, os);
+}
+template <int NB>
+void TileF16Impl512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                    float* out, int64_t os) {
+  TileFloat512<NB, uint16_t, float, Load512F16, Load512F32, Load512F16Masked, Load512F32Masked>(
+      w, ws, nrows, act, cols, out, os);
+}
+template <int NB>
+void TileBf16Impl512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                     float* out, int64_t os) {
+  TileFloat512<NB, uint16_t, uint16_t, Load512Bf16, Load512Bf16, Load512Bf16Masked,
+               Load512Bf16Masked>(w, ws, nrows, act, cols, out, os);
+}
+
+// BF16 pairs multiplied and summed by VDPBF16PS: 32 products per instruction.
+template <int NB>
+__attribute__((target("avx512bf16"))) void TileBf16Dp(const uint8_t* w, size_t ws, int64_t nrows,
+                                                      const ActRow* act, int64_t cols, float* out,
+                                                      int64_t os) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(w + r * ws);
+    __m512 acc0[NB], acc1[NB];
+    for (int b = 0; b < NB; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= cols; i += 64) {
+      const __m512i w0 = _mm512_loadu_si512(x + i), w1 = _mm512_loadu_si512(x + i + 32);
+      for (int b = 0; b < NB; ++b) {
+        const uint16_t* a = static_cast<const uint16_t*>(act[b].values);
+        acc0[b] = _mm512_dpbf16_ps(acc0[b], (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)w0);
+        acc1[b] = _mm512_dpbf16_ps(acc1[b], (__m512bh)_mm512_loadu_si512(a + i + 32), (__m512bh)w1);
+      }
+    }
+    for (; i < cols; i += 32) {
+      const int64_t left = cols - i;
+      const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1);
+      const __m512i w0 = _mm512_maskz_loadu_epi16(m, x + i);
+      for (int b = 0; b < NB; ++b) {
+        const uint16_t* a = static_cast<const uint16_t*>(act[b].values);
+        acc0[b] =
+            _mm512_dpbf16_ps(acc0[b], (__m512bh)_mm512_maskz_loadu_epi16(m, a + i), (__m512bh)w0);
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      out[b * os + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[b], acc1[b]));
+  }
+}
+
+// ---- 32-element blocks, two per 512-bit register ---------------------------------------------
+
+// The fp16 scales of four consecutive blocks as floats.
+template <typename Block>
+inline __m128 PackedHalves4(const Block* x) {
+  const uint64_t packed = x[0].d | (static_cast<uint64_t>(x[1].d) << 16) |
+                          (static_cast<uint64_t>(x[2].d) << 32) |
+                          (static_cast<uint64_t>(x[3].d) << 48);
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(packed)));
+}
+
+struct Decode2Q8_0 {
+  using Block = BlockQ8_0;
+  static __m512i Values(const Block* x) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[0].qs));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[1].qs));
+    return _mm512_inserti64x4(_mm512_zextsi256_si512(a), b, 1);
+  }
+  static __m512i Value1(const Block* x) {
+    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[0].qs)));
+  }
+  static __m128 Scales(const Block* x) {
+    return _mm_cvtph_ps(
+        _mm_cvtsi32_si128(static_cast<int>(x[0].d | (static_cast<uint32_t>(x[1].d) << 16))));
+  }
+  static float Scale1(const Block* x) { return HalfToFloat(x[0].d); }
+  static __m128 Scales4(const Block* x) { return PackedHalves4(x); }
+};
+
+// Two blocks of 16 nibble bytes -> [lo(b0) | hi(b0) | lo(b1) | hi(b1)], 16 bytes each.
+inline __m512i ExpandNibbles2(const uint8_t* q0, const uint8_t* q1) {
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0));
+  const __m512i r = q1 ? _mm512_zextsi256_si512(_mm256_inserti128_si256(
+                             _mm256_castsi128_si256(r0),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1)), 1))
+                       : _mm512_zextsi128_si512(r0);
+  __m512i w = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(1, 1, 0, 0));
+  w = _mm512_mask_srli_epi16(w, 0xff00ff00u, w, 4);  // second copy of each block: high nibbles
+  w = _mm512_and_si512(w, _mm512_set1_epi8(0x0f));
+  return q1 ? w : _mm512_zextsi256_si512(_mm512_castsi512_si256(w));
+}
+
+struct Decode2Q4_0 {
+  using Block = BlockQ4_0;
+  static __m512i Values(const Block* x) {
+    return _mm512_sub_epi8(ExpandNibbles2(x[0].qs, x[1].qs), _mm512_set1_epi8(8));
+  }
+  static __m512i Value1(const Block* x) {
+    return _mm512_zextsi256_si512(_mm512_castsi512_si256(
+        _mm512_sub_epi8(ExpandNibbles2(x[0].qs, nullptr), _mm512_set1_epi8(8))));
+  }
+  static __m128 Scales(const Block* x) {
+    return _mm_cvtph_ps(
+        _mm_cvtsi32_si128(static_cast<int>(x[0].d | (static_cast<uint32_t>(x[1].d) << 16))));
+  }
+  static float Scale1(const Block* x) { return HalfToFloat(x[0].d); }
+  static __m128 Scales4(const Block* x) { return PackedHalves4(x); }
+};
+
+struct Decode2Mxfp4 {
+  using Block = BlockMxfp4;
+  static __m512i Table() {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  }
+  static __m512i Values(const Block* x) {
+    return _mm512_shuffle_epi8(Table(), ExpandNibbles2(x[0].qs, x[1].qs));
+  }
+  static __m512i Value1(const Block* x) {
+    return _mm512_zextsi256_si512(
+        _mm512_castsi512_si256(_mm512_shuffle_epi8(Table(), ExpandNibbles2(x[0].qs, nullptr))));
+  }
+  static __m128 Scales(const Block* x) {
+    return _mm_setr_ps(E8m0HalfScale(x[0].e), E8m0HalfScale(x[1].e), 0, 0);
+  }
+  static float Scale1(const Block* x) { return E8m0HalfScale(x[0].e); }
+  static __m128 Scales4(const Block* x) {
+    // 2^(e-128) per lane: exponent field e-1 when that is normal, else the subnormal 2^21 << e.
+    const __m128i e = _mm_setr_epi32(x[0].e, x[1].e, x[2].e, x[3].e);
+    const __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+    const __m128i subnormal = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+    return _mm_castsi128_ps(
+        _mm_blendv_epi8(normal, subnormal, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+  }
+};
+
+// Signed weights against signed activations: |w| . (a negated where w < 0), since VPDPBUSD
+// wants its first operand unsigned (AVX-512 has no byte sign instruction). The main loop takes
+// four blocks (two registers) so the scales of all four are built together.
+template <typename D, int NB>
+void TileBlock32x512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                     float* out, int64_t os) {
+  using Block = typename D::Block;
+  const int64_t nblk = cols / 32;
+  const __m512i spread01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i spread23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i zero = _mm512_setzero_si512();
+  auto dot = [&](__m512i uq, __mmask64 neg, __m512i a) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, uq, _mm512_mask_sub_epi8(a, neg, zero, a)));
+  };
+  for (int64_t r = 0; r < nrows; ++r) {
+    const Block* x = reinterpret_cast<const Block*>(w + r * ws);
+    __m512 acc0[NB], acc1[NB];
+    for (int b = 0; b < NB; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 <= nblk; i += 4) {
+      const __m512i q0 = D::Values(x + i), q1 = D::Values(x + i + 2);
+      const __m512i u0 = _mm512_abs_epi8(q0), u1 = _mm512_abs_epi8(q1);
+      const __mmask64 n0 = _mm512_movepi8_mask(q0), n1 = _mm512_movepi8_mask(q1);
+      const __m128 dw = D::Scales4(x + i);
+      for (int b = 0; b < NB; ++b) {
+        const int8_t* a = I8(act[b]) + 32 * i;
+        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_load_ps(act[b].scales + i)));
+        acc0[b] = _mm512_fmadd_ps(_mm512_permutexvar_ps(spread01, s),
+                                  dot(u0, n0, _mm512_load_si512(a)), acc0[b]);
+        acc1[b] = _mm512_fmadd_ps(_mm512_permutexvar_ps(spread23, s),
+                                  dot(u1, n1, _mm512_load_si512(a + 64)), acc1[b]);
+      }
+    }
+    if (i + 2 <= nblk) {
+      const __m512i q = D::Values(x + i);
+      const __m512i u = _mm512_abs_epi8(q);
+      const __mmask64 n = _mm512_movepi8_mask(q);
+      const __m128 dw = D::Scales(x + i);
+      for (int b = 0; b < NB; ++b) {
+        const __m128 da =
+            _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(act[b].scales + i)));
+        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, da));
+        acc0[b] = _mm512_fmadd_ps(_mm512_permutexvar_ps(spread01, s),
+                                  dot(u, n, _mm512_load_si512(I8(act[b]) + 32 * i)), acc0[b]);
+      }
+      i += 2;
+    }
+    float tail[NB] = {};
+    if (i < nblk) {  // odd block count: the last block alone, upper half zero
+      const __m512i q = D::Value1(x + i);
+      const __m512i u = _mm512_abs_epi8(q);
+      const __mmask64 n = _mm512_movepi8_mask(q);
+      for (int b = 0; b < NB; ++b) {
+        const __m512i a = _mm512_zextsi256_si512(
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(I8(act[b]) + 32 * i)));
+        tail[b] = D::Scale1(x + i) * act[b].scales[i] * _mm512_reduce_add_ps(dot(u, n, a));
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      out[b * os + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[b], acc1[b])) + tail[b];
+  }
+}
+
+template <typename D, int NB>
+void TileBlock32x512Impl(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act,
+                         int64_t cols, float* out, int64_t os) {
+  TileBlock32x512<D, NB>(w, ws, nrows, act, cols, out, os);
+}
+
+// ---- Q4_K, a 64-value group pair per 512-bit register ------------------------------------------
+
+template <int NB>
+void TileQ4Kx512Impl(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                     float* out, int64_t os) {
+  const int64_t nblk = cols / kQKK;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  // Word indices spreading scale 2g over the first 16 words and 2g+1 over the last 16.
+  __m512i spread[4];
+  for (int g = 0; g < 4; ++g) {
+    spread[g] =
+        _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * g))),
+                           _mm256_set1_epi16(static_cast<int16_t>(2 * g + 1)), 1);
+  }
+  for (int64_t r = 0; r < nrows; ++r) {
+    const BlockQ4K* x = reinterpret_cast<const BlockQ4K*>(w + r * ws);
+    __m512 acc[NB];
+    __m256 acc_min[NB];
+    for (int b = 0; b < NB; ++b) {
+      acc[b] = _mm512_setzero_ps();
+      acc_min[b] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < nblk; ++i) {
+      const __m128i sm = UnpackQ4KScalesMins(x[i].scales);
+      const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm));
+      const __m256i mins = Q4KMinsPerSixteen(sm);
+      __m512i sv[4];
+      for (int g = 0; g < 4; ++g) sv[g] = _mm512_permutexvar_epi16(spread[g], sc16);
+      __m512i isum[NB];
+      for (int b = 0; b < NB; ++b) isum[b] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(x[i].qs + 64 * h);
+        const __m512i lo = _mm512_and_si512(v, m4);                        // sub-blocks 4h, 4h+2
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);  // sub-blocks 4h+1, 4h+3
+        const __m512i q0 = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));  // 4h | 4h+1
+        const __m512i q1 = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));  // 4h+2 | 4h+3
+        for (int b = 0; b < NB; ++b) {
+          const int8_t* a = I8(act[b]) + kQKK * i + 128 * h;
+          isum[b] = _mm512_dpwssd_epi32(isum[b], _mm512_maddubs_epi16(q0, _mm512_load_si512(a)),
+                                        sv[2 * h]);
+          isum[b] = _mm512_dpwssd_epi32(
+              isum[b], _mm512_maddubs_epi16(q1, _mm512_load_si512(a + 64)), sv[2 * h + 1]);
+        }
+      }
+      const float d = HalfToFloat(x[i].d);
+      const float dmin = HalfToFloat(x[i].dmin);
+      for (int b = 0; b < NB; ++b) {
+        const float da = act[b].scales[i];
+        acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(d * da), _mm512_cvtepi32_ps(isum[b]), acc[b]);
+        const __m256i bs =
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(act[b].bsums + 16 * i));
+        acc_min[b] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * da),
+                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins)), acc_min[b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) out[b * os + r] = _mm512_reduce_add_ps(acc[b]) - Hsum(acc_min[b]);
+  }
+}
+
+TANDEM_TILE_DISPATCH(TileQ8_0x512, TileBlock32x512Impl, Decode2Q8_0)
+TANDEM_TILE_DISPATCH(TileQ4_0x512, TileBlock32x512Impl, Decode2Q4_0)
+TANDEM_TILE_DISPATCH(TileMxfp4x512, TileBlock32x512Impl, Decode2Mxfp4)
+TANDEM_TILE_DISPATCH(TileQ4Kx512, TileQ4Kx512Impl)
+
+TANDEM_TILE_DISPATCH(TileF32x512, TileF32Impl512)
+TANDEM_TILE_DISPATCH(TileF16x512, TileF16Impl512)
+TANDEM_TILE_DISPATCH(TileBf16x512, TileBf16Impl512)
+TANDEM_TILE_DISPATCH(TileBf16Dpx512, TileBf16Dp)
+
+}  // namespace
+
+namespace avx512 {
+
+TileKernels GetTileKernels(bool with_bf16) {
+  TileKernels k;
+  k.f32 = TileF32x512;
+  k.f16 = TileF16x512;
+  k.bf16 = with_bf16 ? TileBf16Dpx512 : TileBf16x512;
+  k.q8_0 = TileQ8_0x512;
+  k.q4_0 = TileQ4_0x512;
+  k.mxfp4 = TileMxfp4x512;
+  k.q4_k = TileQ4Kx512;
+  k.q6_k = TileQ6Kx86;
+  return k;
+}
+
+}  // namespace avx512
+}  // namespace tandem::kernels::internal
