@@ -108,7 +108,8 @@ absl::Status Engine::Validate(std::span<const SeqChunk> chunks, int64_t* n_token
   return absl::OkStatus();
 }
 
-absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* logits) {
+absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
+                          const std::function<void(int32_t layer)>& on_layer_done) {
   int64_t T = 0;
   TANDEM_RETURN_IF_ERROR(Validate(chunks, &T));
   const ModelConfig& c = model_->config();
@@ -173,6 +174,7 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
                    v_.data() + r * kv_dim);
       }
     }, row_grain);
+    if (on_layer_done) on_layer_done(l);
 
     int64_t row = 0;
     for (const SeqChunk& ch : chunks) {

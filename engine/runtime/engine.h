@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -49,7 +50,11 @@ class Engine {
   // INVALID_ARGUMENT for a token id outside the vocabulary, positions past ctx_size, a block
   // table too short, or more than max_batch_tokens tokens. On success `logits` holds
   // n_vocab floats for each chunk with want_logits, in chunk order.
-  absl::Status Step(std::span<const SeqChunk> chunks, std::vector<float>* logits);
+  // on_layer_done(l), when given, runs on the calling thread as soon as layer l's K/V of every
+  // chunk are in the cache, so a prefill worker can start sending layer l while later layers
+  // compute.
+  absl::Status Step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
+                    const std::function<void(int32_t layer)>& on_layer_done = nullptr);
 
   const Model& model() const { return *model_; }
   KvCache& kv() { return *kv_; }

@@ -24,8 +24,7 @@ Scheduler::~Scheduler() {
   for (auto& s : running_) engine_->kv().pool().UnrefAll(s->blocks);
 }
 
-absl::Status Scheduler::Submit(GenerationRequest req) {
-  const Tokenizer& tok = engine_->model().tokenizer();
+absl::Status Scheduler::Validate(const GenerationRequest& req) const {
   const int32_t vocab = engine_->model().config().n_vocab;
   if (req.prompt.empty()) {
     return absl::InvalidArgumentError("prompt is empty (and the model adds no BOS token)");
@@ -52,25 +51,78 @@ absl::Status Scheduler::Submit(GenerationRequest req) {
   if ((need + bs - 1) / bs > engine_->kv().pool().num_blocks()) {
     return absl::InvalidArgumentError("request needs more KV blocks than the whole pool holds");
   }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest req) const {
+  const Tokenizer& tok = engine_->model().tokenizer();
   auto s = std::make_unique<Sequence>();
   s->tokens = req.prompt;
   s->sampler = std::make_unique<Sampler>(req.sampling);
   s->stop = std::make_unique<StopChecker>(req.sampling);
   // A completion continues prompt text already shown, so its first token keeps its leading
   // space; after a bare BOS the stream starts fresh and the space goes (as llama2.c prints).
-  const bool continuation =
-      std::any_of(req.prompt.begin(), req.prompt.end(), [&](int32_t t) { return t != tok.bos_id(); });
+  const bool continuation = std::any_of(req.prompt.begin(), req.prompt.end(),
+                                        [&](int32_t t) { return t != tok.bos_id(); });
   s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false, continuation);
   s->req = std::move(req);
-  waiting_.push_back(std::move(s));
+  return s;
+}
+
+absl::Status Scheduler::Submit(GenerationRequest req) {
+  TANDEM_RETURN_IF_ERROR(Validate(req));
+  waiting_.push_back(NewSequence(std::move(req)));
   return absl::OkStatus();
+}
+
+absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32_t> blocks,
+                                        int32_t first_token) {
+  TANDEM_RETURN_IF_ERROR(Validate(req));
+  const int64_t bs = engine_->kv().block_size();
+  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens;
+  if (static_cast<int64_t>(blocks.size()) < (need + bs - 1) / bs) {
+    return absl::InvalidArgumentError(absl::StrCat("prefilled request holds ", blocks.size(),
+                                                   " blocks; it needs ", (need + bs - 1) / bs));
+  }
+  if (first_token < 0 || first_token >= engine_->model().config().n_vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("first token id ", first_token,
+                                                   " is outside the vocabulary"));
+  }
+  std::unique_ptr<Sequence> s = NewSequence(std::move(req));
+  s->blocks = std::move(blocks);
+  s->n_cached = static_cast<int64_t>(s->tokens.size());
+  s->sampler->SkipSamples(1);
+  s->tokens.push_back(first_token);
+  ++stats_.generated_tokens;
+  Emit(*s, first_token);
+  if (!s->done) running_.push_back(std::move(s));
+  return absl::OkStatus();
+}
+
+void Scheduler::Release(Sequence& s) {
+  s.done = true;
+  engine_->kv().pool().UnrefAll(s.blocks);
+  s.blocks.clear();
+}
+
+void Scheduler::Emit(Sequence& s, int32_t token) {
+  const bool eog = engine_->model().tokenizer().IsEog(token);
+  std::string piece = eog ? std::string() : s.decoder->Push(token);
+  TokenEvent ev;
+  ev.token = token;
+  ev.text = s.stop->Push(token, piece, eog);
+  if (s.stop->reason() != FinishReason::kNone) {
+    ev.text += s.stop->Flush();
+    ev.finished = true;
+    ev.reason = s.stop->reason();
+    Release(s);
+  }
+  if (s.req.on_event) s.req.on_event(ev);
 }
 
 void Scheduler::Finish(Sequence& s, FinishReason reason, absl::Status status) {
   if (s.done) return;
-  s.done = true;
-  engine_->kv().pool().UnrefAll(s.blocks);
-  s.blocks.clear();
+  Release(s);
   TokenEvent ev;
   ev.finished = true;
   ev.reason = reason;
@@ -143,7 +195,6 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     return st;
   }
   const int32_t vocab = engine_->model().config().n_vocab;
-  const Tokenizer& tok = engine_->model().tokenizer();
   int64_t out = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = *chunk_seq[i];
@@ -157,20 +208,7 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     const int32_t next = s.sampler->Sample(lg, s.tokens);
     s.tokens.push_back(next);
     ++stats_.generated_tokens;
-    const bool eog = tok.IsEog(next);
-    std::string piece = eog ? std::string() : s.decoder->Push(next);
-    TokenEvent ev;
-    ev.token = next;
-    ev.text = s.stop->Push(next, piece, eog);
-    if (s.stop->reason() != FinishReason::kNone) {
-      ev.text += s.stop->Flush();
-      ev.finished = true;
-      ev.reason = s.stop->reason();
-      s.done = true;
-      engine_->kv().pool().UnrefAll(s.blocks);
-      s.blocks.clear();
-    }
-    if (s.req.on_event) s.req.on_event(ev);
+    Emit(s, next);
   }
   std::erase_if(running_, [](const auto& s) { return s->done; });
   return true;

@@ -52,6 +52,12 @@ class Scheduler {
   // Validates (prompt non-empty and in vocab, prompt + max_tokens within the context and the
   // KV pool, sampling params) and queues. INVALID_ARGUMENT with the reason otherwise.
   absl::Status Submit(GenerationRequest req);
+  // Adopts a sequence whose prompt K/V are already in `blocks` (written by a remote prefill) and
+  // whose first token was sampled there. The blocks (covering prompt plus max_tokens) pass to
+  // the scheduler, which frees them when the sequence ends. The first token is reported at once
+  // through the callback; the sequence then decodes with the others. Same validation as Submit.
+  absl::Status SubmitPrefilled(GenerationRequest req, std::vector<int32_t> blocks,
+                               int32_t first_token);
   // Cancels a queued or running request: its callback gets a final event with CANCELLED.
   void Cancel(const std::string& id);
 
@@ -66,6 +72,11 @@ class Scheduler {
 
  private:
   struct Sequence;
+  absl::Status Validate(const GenerationRequest& req) const;
+  std::unique_ptr<Sequence> NewSequence(GenerationRequest req) const;
+  // Feeds a sampled token through decoding and stop checks and reports it.
+  void Emit(Sequence& s, int32_t token);
+  void Release(Sequence& s);
   void Finish(Sequence& s, FinishReason reason, absl::Status status);
   void Admit();
 

@@ -153,6 +153,11 @@ void Sampler::ApplyPenalties(std::span<float> logits, std::span<const int32_t> h
   }
 }
 
+void Sampler::SkipSamples(int64_t n) {
+  // Sample draws exactly one 64-bit value per call when temperature > 0 and none otherwise.
+  if (p_.temperature > 0.0f && n > 0) rng_.discard(static_cast<unsigned long long>(n));
+}
+
 int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> history) {
   if (logits.empty()) return 0;
   ApplyPenalties(logits, history);

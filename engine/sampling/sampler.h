@@ -62,6 +62,10 @@ class Sampler {
   // Picks the next token. logits (vocab_size floats) are modified in place. history holds the
   // prompt and generated tokens, for the penalties.
   int32_t Sample(std::span<float> logits, std::span<const int32_t> history);
+  // Advances the random stream as if n tokens had been sampled here. A decode worker that
+  // continues a sequence whose first token was sampled by a prefill worker skips that draw, so
+  // a seeded request yields the same tokens disaggregated as in one process.
+  void SkipSamples(int64_t n);
 
  private:
   void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history) const;

@@ -175,5 +175,36 @@ TEST(SchedulerTest, StopTokenEndsGeneration) {
   EXPECT_EQ(out["y"].tokens.size(), size_t(first + 1));
 }
 
+TEST(SchedulerTest, PrefilledSequenceContinuesExactlyAsALocalOne) {
+  // What a decode worker does with KV written by a prefill worker: the prompt's K/V are in the
+  // blocks, the first token was sampled elsewhere with the same seed.
+  SamplingParams sp;
+  sp.temperature = 0.9f;
+  sp.seed = 77;
+  sp.max_tokens = 10;
+  sp.ignore_eos = true;
+  const auto prompt = Prompt(40, 6);
+  std::map<std::string, Collected> out;
+  {
+    auto e = MakeEngine();
+    Scheduler s(e.get());
+    ASSERT_TRUE(s.Submit(Req("local", prompt, sp, &out)).ok());
+    ASSERT_TRUE(s.RunUntilIdle().ok());
+  }
+  auto e = MakeEngine();
+  auto blocks = *e->kv().pool().AllocateN(4);  // 50 positions
+  std::vector<float> logits;
+  SeqChunk ch{prompt, 0, blocks, true};
+  ASSERT_TRUE(e->Step({&ch, 1}, &logits).ok());
+  Sampler prefill_sampler(sp);
+  const int32_t first = prefill_sampler.Sample(logits, prompt);
+  Scheduler s(e.get());
+  ASSERT_TRUE(s.SubmitPrefilled(Req("remote", prompt, sp, &out), blocks, first).ok());
+  EXPECT_EQ(out["remote"].tokens.size(), 1u);  // the first token is reported at once
+  ASSERT_TRUE(s.RunUntilIdle().ok());
+  EXPECT_EQ(out["remote"].tokens, out["local"].tokens);
+  EXPECT_EQ(e->kv().pool().num_free(), e->kv().pool().num_blocks());
+}
+
 }  // namespace
 }  // namespace tandem::engine
