@@ -7,15 +7,19 @@
 // between threads; views (string_view, spans, tensor data pointers) stay valid for its lifetime.
 //
 // GgufWriter builds a file in memory-light form (metadata kept in memory, tensor bytes copied
-// on Write) and writes it with the required alignment.
+// on Write) and writes it with the required alignment. Tensors may also be streamed from a
+// RowSource at Write time, so a multi-GiB model never has to be held in memory. A writer is
+// not thread-safe; Write is const and may be repeated.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <variant>
 #include <vector>
 
@@ -48,7 +52,7 @@ std::string_view ValueTypeName(ValueType t);
 struct Array {
   ValueType elem_type = ValueType::kU8;
   uint64_t count = 0;
-  const uint8_t* data = nullptr;         // numeric/bool elements, count * size bytes
+  const uint8_t* data = nullptr;          // numeric/bool elements, count * size bytes
   std::vector<std::string_view> strings;  // when elem_type == kString
   // Nested arrays are rejected at parse time (no tokenizer or model uses them).
 };
@@ -65,14 +69,14 @@ struct KeyValue {
 
 struct TensorInfo {
   std::string_view name;
-  std::vector<int64_t> dims;  // dims[0] is the fastest-varying (row length)
+  std::vector<int64_t> dims;  // 1..4 dims, each >= 1; dims[0] is the row length
   kernels::DType type = kernels::DType::kF32;
   uint64_t offset = 0;  // relative to the data section
   uint64_t nbytes = 0;
   const uint8_t* data = nullptr;
 
   int64_t NumElements() const;
-  int64_t Rows() const { return dims.empty() ? 1 : NumElements() / dims[0]; }
+  int64_t Rows() const;  // product of dims[1..]
 };
 
 class GgufFile {
@@ -129,6 +133,8 @@ class GgufFile {
   uint32_t alignment_ = 32;
   std::vector<KeyValue> metadata_;
   std::vector<TensorInfo> tensors_;
+  std::unordered_map<std::string_view, size_t> key_index_;
+  std::unordered_map<std::string_view, size_t> tensor_index_;
 };
 
 // Reads element i of a numeric array as double / int64 (no range checks beyond the type).
@@ -152,11 +158,29 @@ class GgufWriter {
   void CopyValue(std::string key, const Value& v);
 
   // Adds a tensor; bytes must be RowBytes(type, dims[0]) * rows long. The bytes are copied.
+  // INVALID_ARGUMENT for a duplicate, empty or over-long (>= 64 bytes: llama.cpp's limit) name,
+  // 0 or more than 4 dims, a dim < 1, a row length that is not a multiple of the type's block,
+  // or a wrong byte count.
   absl::Status AddTensor(std::string name, std::vector<int64_t> dims, kernels::DType type,
                          std::span<const uint8_t> bytes);
 
-  // Writes the file (atomically: a temp file renamed over path).
+  // Produces rows [row_begin, row_end) of a tensor (rows = product of dims[1..]) into `out`,
+  // which holds exactly (row_end - row_begin) * RowBytes(type, dims[0]) bytes. Write calls it
+  // in increasing row order, in chunks of a few MiB, once per Write; an error aborts the Write.
+  using RowSource =
+      std::function<absl::Status(int64_t row_begin, int64_t row_end, std::span<uint8_t> out)>;
+  // Adds a tensor whose bytes are produced at Write time. The source (and anything it
+  // captures) must stay valid until the last Write. Same checks as AddTensor.
+  absl::Status AddTensorFromSource(std::string name, std::vector<int64_t> dims, kernels::DType type,
+                                   RowSource source);
+
+  // Writes the file (atomically: a temp file in the same folder, renamed over path). An
+  // alignment other than 32 is recorded as general.alignment (u32); it must be a power of two.
   absl::Status Write(const std::string& path, uint32_t alignment = 32) const;
+  // The same bytes in memory (tests and small files).
+  absl::StatusOr<std::vector<uint8_t>> WriteToBuffer(uint32_t alignment = 32) const;
+
+  size_t num_tensors() const { return tensors_.size(); }
 
  private:
   struct Entry {
@@ -168,9 +192,16 @@ class GgufWriter {
     std::string name;
     std::vector<int64_t> dims;
     kernels::DType type;
-    std::vector<uint8_t> bytes;
+    uint64_t nbytes = 0;
+    int64_t rows = 0;
+    std::vector<uint8_t> bytes;  // when source is empty
+    RowSource source;
   };
+  using ByteSink = std::function<absl::Status(std::span<const uint8_t>)>;
   void Put(std::string key, ValueType type, std::vector<uint8_t> encoded);
+  absl::Status CheckNewTensor(const std::string& name, const std::vector<int64_t>& dims,
+                              kernels::DType type, uint64_t* nbytes, int64_t* rows) const;
+  absl::Status WriteTo(const ByteSink& sink, uint32_t alignment) const;
   std::vector<Entry> entries_;
   std::vector<Tensor> tensors_;
 };

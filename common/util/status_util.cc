@@ -9,7 +9,9 @@
 namespace tandem::util {
 
 absl::Status FromErrno(int err, std::string_view context) {
-  std::string msg = absl::StrCat(context, ": ", std::strerror(err));
+  // Debian's abseil has its own string_view type, so convert explicitly.
+  std::string msg = absl::StrCat(absl::string_view(context.data(), context.size()), ": ",
+                                 std::strerror(err));
   switch (err) {
     case ENOENT:
       return absl::NotFoundError(msg);
