@@ -13,6 +13,10 @@
 #   TANDEM_FIDELITY_N       tokens per prompt (default 64)
 #   TANDEM_FIDELITY_THREADS threads for both engines (default 2)
 #   TANDEM_FIDELITY_DIR     where models and outputs go (default BUILD_DIR/fidelity)
+#   TANDEM_FIDELITY_KQUANT  K-quant types checked on the llama-1b shape (default "q4_K"); the
+#                           stories15M width (288) is not a multiple of 256, so there most
+#                           matrices of a q4_K file fall back to another type
+#   TANDEM_FIDELITY_KQUANT_SHAPE  shape for that check (default llama-1b)
 #   TANDEM_LLAMA_CACHE      llama.cpp build cache (see build_llama_cpp.sh)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -68,6 +72,19 @@ for type in $types; do
     log "$type: prompt $i"
     run_case "$type" stories15M "$model" "$strict" "$i" "${prompts[$i]}"
   done
+done
+
+kquant_types=${TANDEM_FIDELITY_KQUANT-"q4_K"}
+kquant_shape=${TANDEM_FIDELITY_KQUANT_SHAPE:-llama-1b}
+for type in $kquant_types; do
+  model="$work/models/$kquant_shape-$type.gguf"
+  if [ ! -s "$model" ] || [ "$tandem" -nt "$model" ]; then
+    log "synthesising $model"
+    "$tandem" synth --shape "$kquant_shape" --type "$type" --seed 1 --out "$model.tmp" >&2
+    mv "$model.tmp" "$model"
+  fi
+  log "$type ($kquant_shape): prompt 0"
+  run_case "$type" "$kquant_shape" "$model" 0 0 "${prompts[0]}"
 done
 
 if [ -f "$shared_model" ]; then
