@@ -95,6 +95,10 @@ class GgufFile {
   uint32_t version() const { return version_; }
   uint32_t alignment() const { return alignment_; }
   const std::string& path() const { return path_; }
+  // Reads the whole mapping into memory now (page cache, then mapped), so the first forward
+  // pass does not stall on page faults; a server calls this at load, a tokenizer-only reader
+  // does not. A no-op for borrowed buffers.
+  void Prefault() const;
   std::span<const KeyValue> metadata() const { return metadata_; }
   std::span<const TensorInfo> tensors() const { return tensors_; }
 

@@ -132,6 +132,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
   TANDEM_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*m->file_));
   TANDEM_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*m->file_));
   TANDEM_RETURN_IF_ERROR(m->Bind());
+  m->file_->Prefault();
   return m;
 }
 
