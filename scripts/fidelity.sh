@@ -22,7 +22,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-$here/build}" && pwd)
 tandem="$build/bin/tandem"
-types=${TANDEM_FIDELITY_TYPES:-"f32 f16 q8_0 q4_0 q4_K"}
+types=${TANDEM_FIDELITY_TYPES-"f32 f16 q8_0 q4_0 q4_K"}
 n=${TANDEM_FIDELITY_N:-64}
 threads=${TANDEM_FIDELITY_THREADS:-2}
 work=${TANDEM_FIDELITY_DIR:-$build/fidelity}

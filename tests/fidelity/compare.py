@@ -10,8 +10,9 @@ Rules (docs/fidelity.md explains them):
 - The prompt tokenisations must be identical.
 - strict rows (f32, f16, the real model) must match token for token.
 - other rows (quantised weights) also pass as "near-tie" when the first divergence happens at a
-  step where llama.cpp's top-1/top-2 logit gap is below max(ABS_GAP, REL_GAP * spread) and
-  tandem picked llama.cpp's runner-up there. After that step the two texts have legitimately
+  step where tandem picked a token whose llama.cpp logit is within max(ABS_GAP, REL_GAP *
+  spread) of llama.cpp's best (llama_ref reports its 8 best ids and logits per step; with a
+  128k vocabulary a near tie is often among more than two tokens). After that step the two texts have legitimately
   diverged, so nothing later is compared.
 """
 import json
@@ -90,7 +91,13 @@ def compare(strict, ref, tan):
     where = f"step {m}: llama.cpp {want[m]} (gap {gap:.4g}, spread {spread:.4g}), tandem {got[m]}"
     if strict:
         return m, "FAIL", "diverges at " + where
-    if gap < threshold and got[m] == ref["top2"][m]:
+    top = ref.get("topk")
+    if top is not None and m < len(top):
+        best_logit = top[m][0][1]
+        for tid, logit in top[m]:
+            if tid == got[m] and best_logit - logit < threshold:
+                return m, "PASS (near-tie)", where + f" (logit {best_logit - logit:.4g} below best)"
+    elif gap < threshold and got[m] == ref["top2"][m]:
         return m, "PASS (near-tie)", where
     return m, "FAIL", "diverges at " + where
 

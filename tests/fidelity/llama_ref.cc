@@ -10,6 +10,7 @@
 // Defaults are chosen to be closest to tandem's reference path: F32 KV cache, flash attention
 // off, the whole prompt in one batch. Built only by scripts/build_llama_cpp.sh against the
 // cached llama.cpp build; it is not part of tandem's CMake build.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -223,6 +224,8 @@ int main(int argc, char** argv) {
   std::vector<llama_token> tokens;
   std::vector<float> gaps, spreads;
   std::vector<llama_token> top2s;
+  // The 8 best ids and their logits at each step: a near tie may involve more than two tokens.
+  std::string topk_json = "[";
   std::string text;
   const char* stopped = "length";
   std::vector<llama_token> feed = prompt;
@@ -249,6 +252,23 @@ int main(int argc, char** argv) {
     top2s.push_back(second);
     gaps.push_back(logits[best] - logits[second]);
     spreads.push_back(logits[best] - lo);
+    {
+      std::vector<int> ids(static_cast<size_t>(n_vocab));
+      for (int i = 0; i < n_vocab; ++i) ids[static_cast<size_t>(i)] = i;
+      const int k = n_vocab < 8 ? n_vocab : 8;
+      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int a, int b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+      });
+      if (step > 0) topk_json += ",";
+      topk_json += "[";
+      for (int j = 0; j < k; ++j) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%s[%d,%.9g]", j ? "," : "", ids[static_cast<size_t>(j)],
+                      static_cast<double>(logits[ids[static_cast<size_t>(j)]]));
+        topk_json += buf;
+      }
+      topk_json += "]";
+    }
     char piece[256];
     const int len = llama_token_to_piece(vocab, best, piece, sizeof piece, 0, false);
     if (len > 0) text.append(piece, static_cast<size_t>(len));
@@ -261,9 +281,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "{\"prompt_tokens\":%s,\"tokens\":%s,\"gaps\":%s,\"top2\":%s,\"spreads\":%s,"
-      "\"stopped\":\"%s\",\"n_vocab\":%d,\"text\":%s}\n",
+      "\"topk\":%s,\"stopped\":\"%s\",\"n_vocab\":%d,\"text\":%s}\n",
       JsonArray(prompt).c_str(), JsonArray(tokens).c_str(), JsonArray(gaps).c_str(),
-      JsonArray(top2s).c_str(), JsonArray(spreads).c_str(), stopped, n_vocab,
+      JsonArray(top2s).c_str(), JsonArray(spreads).c_str(), (topk_json + "]").c_str(), stopped,
+      n_vocab,
       JsonString(text).c_str());
 
   llama_free(ctx);
