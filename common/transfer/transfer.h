@@ -63,6 +63,12 @@ struct WriteOp {
   uint64_t remote_offset = 0;  // from the start of the remote region
 };
 
+// Memory a transport allocated and registered itself (see KvTransport::AllocateRegion).
+struct AllocatedRegion {
+  void* base = nullptr;
+  RegionDescriptor descriptor;
+};
+
 struct TransportStats {
   uint64_t bytes_written = 0;   // bytes this endpoint sent and saw completed
   uint64_t bytes_received = 0;  // bytes that landed in this endpoint's regions, where visible
@@ -77,12 +83,18 @@ class KvTransport {
 
   // Makes [base, base + length) writable by peers. The descriptor goes to senders over gRPC.
   virtual absl::StatusOr<RegionDescriptor> RegisterRegion(void* base, uint64_t length) = 0;
-  // After this returns no peer write lands in the region any more.
+  // Allocates `length` bytes that peers can write into most cheaply and registers them (UCX: a
+  // shared-memory segment that local peers map, so a put is a single memcpy with no work on
+  // this side). The transport owns the memory; DeregisterRegion frees it. Backends without a
+  // better allocator return UNIMPLEMENTED (then allocate yourself and RegisterRegion).
+  virtual absl::StatusOr<AllocatedRegion> AllocateRegion(uint64_t length);
+  // After this returns no peer write lands in the region any more. NOT_FOUND for an unknown id.
   virtual absl::Status DeregisterRegion(uint64_t region_id) = 0;
 
   // Writes every op into the remote region; `done` runs exactly once, with OK when all bytes
   // are visible in the receiver's memory, or with the first error (UNAVAILABLE for a dead or
-  // unreachable peer, INVALID_ARGUMENT for a range outside the region, DEADLINE_EXCEEDED).
+  // unreachable peer, INVALID_ARGUMENT for a range outside the region, NOT_FOUND where the
+  // receiver can tell that the region was deregistered, DEADLINE_EXCEEDED).
   virtual void WriteAsync(const RegionDescriptor& dst, std::vector<WriteOp> ops,
                           std::chrono::steady_clock::time_point deadline,
                           std::function<void(absl::Status)> done) = 0;
