@@ -21,20 +21,38 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
     return absl::InvalidArgumentError(absl::StrCat(
         "KV cache type must be f32 or f16, got ", std::string(kernels::Traits(o.type).name)));
   }
-  const size_t elem = o.type == kernels::DType::kF16 ? 2 : 4;
-  const size_t size = size_t(o.num_layers) * 2 * o.num_blocks * o.block_size * o.num_kv_heads *
-                      o.head_dim * elem;
+  const size_t size = RequiredBytes(o);
+  if (o.external_memory != nullptr) {
+    if (o.external_bytes < size) {
+      return absl::InvalidArgumentError(absl::StrCat("external KV memory has ", o.external_bytes,
+                                                     " bytes; the cache needs ", size));
+    }
+    return std::unique_ptr<KvCache>(
+        new KvCache(o, static_cast<uint8_t*>(o.external_memory), size, /*owned=*/false));
+  }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
     return util::FromErrno(errno, absl::StrCat("mmap KV cache of ", size, " bytes"));
   }
-  return std::unique_ptr<KvCache>(new KvCache(o, static_cast<uint8_t*>(p), size));
+  return std::unique_ptr<KvCache>(new KvCache(o, static_cast<uint8_t*>(p), size, /*owned=*/true));
 }
 
-KvCache::KvCache(const KvCacheOptions& o, uint8_t* base, size_t size)
-    : o_(o), base_(base), size_(size), pool_(o.num_blocks) {}
+uint64_t KvCache::RequiredBytes(const KvCacheOptions& o) {
+  if (o.num_layers <= 0 || o.num_kv_heads <= 0 || o.head_dim <= 0 || o.block_size <= 0 ||
+      o.num_blocks <= 0) {
+    return 0;
+  }
+  const uint64_t elem = o.type == kernels::DType::kF16 ? 2 : 4;
+  return uint64_t(o.num_layers) * 2 * o.num_blocks * o.block_size * o.num_kv_heads * o.head_dim *
+         elem;
+}
 
-KvCache::~KvCache() { munmap(base_, size_); }
+KvCache::KvCache(const KvCacheOptions& o, uint8_t* base, size_t size, bool owned)
+    : o_(o), base_(base), size_(size), owned_(owned), pool_(o.num_blocks) {}
+
+KvCache::~KvCache() {
+  if (owned_) munmap(base_, size_);
+}
 
 void KvCache::Write(int32_t layer, std::span<const int32_t> blocks, int64_t pos, const float* k,
                     const float* v) {

@@ -27,12 +27,19 @@ struct KvCacheOptions {
   int32_t block_size = 16;
   int32_t num_blocks = 0;
   kernels::DType type = kernels::DType::kF32;  // kF32 or kF16
+  // Memory to use instead of mapping our own, e.g. a region the KV transport allocated so peers
+  // can write into it with one-sided puts. At least RequiredBytes(options) long; the caller
+  // keeps it alive and unmaps it after the cache is gone.
+  void* external_memory = nullptr;
+  uint64_t external_bytes = 0;
 };
 
 class KvCache {
  public:
   // INVALID_ARGUMENT for a bad shape or type; RESOURCE_EXHAUSTED when memory cannot be mapped.
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheOptions& o);
+  // Bytes the cache needs for these options (0 for an invalid shape).
+  static uint64_t RequiredBytes(const KvCacheOptions& o);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -65,10 +72,11 @@ class KvCache {
              const float* v);
 
  private:
-  KvCache(const KvCacheOptions& o, uint8_t* base, size_t size);
+  KvCache(const KvCacheOptions& o, uint8_t* base, size_t size, bool owned);
   KvCacheOptions o_;
   uint8_t* base_;
   size_t size_;
+  bool owned_;
   BlockPool pool_;
 };
 

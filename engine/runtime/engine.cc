@@ -41,10 +41,11 @@ void AddBias(float* rows, const std::vector<float>& bias, int64_t n_rows) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
-                                                       const EngineOptions& opts) {
+namespace {
+
+absl::StatusOr<EngineOptions> ResolveOptions(const Model& model, const EngineOptions& opts) {
   EngineOptions o = opts;
-  const ModelConfig& c = model->config();
+  const ModelConfig& c = model.config();
   if (o.threads < 1) return absl::InvalidArgumentError("threads must be >= 1");
   if (o.ctx_size < 0) return absl::InvalidArgumentError("ctx_size must be >= 0");
   if (o.ctx_size == 0) o.ctx_size = std::min(c.n_ctx_train, 4096);
@@ -55,6 +56,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
   if (o.kv_blocks == 0) {
     o.kv_blocks = o.max_seqs * ((o.ctx_size + o.block_size - 1) / o.block_size);
   }
+  return o;
+}
+
+KvCacheOptions KvOptions(const Model& model, const EngineOptions& o) {
+  const ModelConfig& c = model.config();
   KvCacheOptions ko;
   ko.num_layers = c.n_layer;
   ko.num_kv_heads = c.n_head_kv;
@@ -62,7 +68,22 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
   ko.block_size = o.block_size;
   ko.num_blocks = o.kv_blocks;
   ko.type = o.kv_type;
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(ko));
+  ko.external_memory = o.kv_memory;
+  ko.external_bytes = o.kv_memory_bytes;
+  return ko;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> Engine::KvBytes(const Model& model, const EngineOptions& opts) {
+  TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(model, opts));
+  return KvCache::RequiredBytes(KvOptions(model, o));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
+                                                       const EngineOptions& opts) {
+  TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(*model, opts));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(KvOptions(*model, o)));
   return std::unique_ptr<Engine>(new Engine(std::move(model), o, std::move(kv)));
 }
 

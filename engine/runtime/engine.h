@@ -33,6 +33,10 @@ struct EngineOptions {
   int32_t block_size = 16;
   kernels::DType kv_type = kernels::DType::kF32;
   int32_t max_batch_tokens = 512;  // tokens per step (chunked prefill splits longer prompts)
+  // Optional memory for the KV cache (see KvCacheOptions::external_memory); query the size
+  // with Engine::KvBytes first.
+  void* kv_memory = nullptr;
+  uint64_t kv_memory_bytes = 0;
 };
 
 struct SeqChunk {
@@ -46,6 +50,8 @@ class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
                                                         const EngineOptions& o);
+  // Bytes of KV memory Create will need for these options (after defaults are applied).
+  static absl::StatusOr<uint64_t> KvBytes(const Model& model, const EngineOptions& o);
 
   // INVALID_ARGUMENT for a token id outside the vocabulary, positions past ctx_size, a block
   // table too short, or more than max_batch_tokens tokens. On success `logits` holds

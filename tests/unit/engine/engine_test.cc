@@ -174,6 +174,29 @@ TEST(EngineTest, QuantisedWeightsRun) {
   }
 }
 
+TEST(EngineTest, KvCacheInCallerMemory) {
+  // A decode worker puts its KV pool in memory its transport allocated.
+  auto model = LoadTiny({}, "extmem");
+  EngineOptions o;
+  o.threads = 1;
+  o.ctx_size = 64;
+  o.max_seqs = 2;
+  const uint64_t bytes = *Engine::KvBytes(*model, o);
+  ASSERT_GT(bytes, 0u);
+  std::vector<uint8_t> mem(bytes, 0xAB);
+  o.kv_memory = mem.data();
+  o.kv_memory_bytes = bytes - 1;
+  EXPECT_EQ(Engine::Create(model, o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.kv_memory_bytes = bytes;
+  auto ext = std::move(*Engine::Create(model, o));
+  EXPECT_EQ(ext->kv().memory().data(), mem.data());
+  auto own = MakeEngine(model, 1);
+  const auto tokens = RandomTokens(30, model->config().n_vocab, 4);
+  auto be = *ext->kv().pool().AllocateN(2);
+  auto bo = *own->kv().pool().AllocateN(2);
+  EXPECT_EQ(RunChunked(*ext, tokens, 30, be), RunChunked(*own, tokens, 30, bo));
+}
+
 TEST(EngineTest, RejectsBadInput) {
   auto model = LoadTiny({}, "bad");
   auto e = MakeEngine(model);
