@@ -7,6 +7,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tools/tandem/client.h"
+#include "tools/tandem/cluster.h"
 #include "tools/tandem/generate.h"
 #include "tools/tandem/model_tools.h"
 
@@ -109,6 +112,92 @@ int main(int argc, char** argv) {
     }
     rc = Report(tandem::tools::QuantizeModel(q_in, q_out, *t));
   });
+
+  // cluster up|down|status|add|remove
+  auto* cl = app.add_subcommand("cluster", "Run a local cluster of real processes on loopback");
+  cl->require_subcommand(1);
+  tandem::tools::ClusterUpOptions up;
+  int64_t up_timeout_ms = 60000;
+  auto* cu = cl->add_subcommand("up", "Start router and workers; return when all are ready");
+  cu->add_option("--model", up.model, "GGUF model file")->required();
+  cu->add_option("--prefill", up.prefill, "Prefill workers");
+  cu->add_option("--decode", up.decode, "Decode workers");
+  cu->add_option("--colocated", up.colocated, "Colocated (prefill+decode) workers");
+  cu->add_option("--dir", up.dir, "Run folder: logs, pid files, cluster.json")->required();
+  cu->add_option("--router-port", up.router_port, "Router gRPC port (0: any free port)");
+  cu->add_option("--http-port", up.http_port, "Router HTTP port (reserved)");
+  cu->add_option("--threads", up.threads, "Compute threads per worker");
+  cu->add_flag("--pin", up.pin, "Pin each process to its own CPUs (round-robin)");
+  cu->add_option("--transport", up.transport, "KV transport: ucx or inproc");
+  cu->add_option("--ucx-tls", up.ucx_tls, "UCX transports: shm or tcp (or a UCX_TLS list)");
+  cu->add_option("--policy", up.policy, "Router worker selection: least-load or round-robin");
+  cu->add_option("--lease-ms", up.lease_ms, "Router worker lease (0: default)");
+  cu->add_option("--ctx-size", up.ctx_size, "Context per sequence (0: min(model's, 4096))");
+  cu->add_option("--kv-blocks", up.kv_blocks, "Decode KV pool blocks (0: worker default)");
+  cu->add_option("--max-seqs", up.max_seqs, "Decode batch size (0: worker default)");
+  cu->add_option("--router-arg", up.router_args, "Extra router flag (repeatable)");
+  cu->add_option("--worker-arg", up.worker_args, "Extra worker flag (repeatable)");
+  cu->add_option("--bin-dir", up.bin_dir, "Folder of the service binaries (default: tandem's)");
+  cu->add_option("--timeout-ms", up_timeout_ms, "How long to wait for readiness");
+  cu->callback([&] {
+    up.ready_timeout = absl::Milliseconds(up_timeout_ms);
+    rc = Report(tandem::tools::ClusterUp(up));
+  });
+  std::string cl_dir, cl_name, cl_role;
+  int64_t cl_grace_ms = 15000;
+  bool cl_json = false;
+  auto* cd = cl->add_subcommand("down", "Stop a cluster (SIGTERM, then SIGKILL after a grace)");
+  cd->add_option("--dir", cl_dir)->required();
+  cd->add_option("--grace-ms", cl_grace_ms);
+  cd->callback([&] {
+    rc = Report(tandem::tools::ClusterDown(cl_dir, absl::Milliseconds(cl_grace_ms)));
+  });
+  auto* cs = cl->add_subcommand("status", "Processes, registrations and worker stats");
+  cs->add_option("--dir", cl_dir)->required();
+  cs->add_flag("--json", cl_json);
+  cs->callback([&] { rc = Report(tandem::tools::ClusterStatus(cl_dir, cl_json)); });
+  auto* ca = cl->add_subcommand("add", "Start one more worker in a running cluster");
+  ca->add_option("--dir", cl_dir)->required();
+  ca->add_option("--role", cl_role, "prefill, decode or colocated")->required();
+  ca->add_option("--name", cl_name, "Worker name (default: ROLE-N)");
+  ca->callback([&] {
+    tandem::tools::ClusterAddOptions ao;
+    ao.dir = cl_dir;
+    ao.role = cl_role;
+    ao.name = cl_name;
+    rc = Report(tandem::tools::ClusterAdd(ao));
+  });
+  auto* cr = cl->add_subcommand("remove", "Stop one worker (it drains first)");
+  cr->add_option("--dir", cl_dir)->required();
+  cr->add_option("--name", cl_name)->required();
+  cr->add_option("--grace-ms", cl_grace_ms);
+  cr->callback([&] {
+    rc = Report(tandem::tools::ClusterRemove(cl_dir, cl_name, absl::Milliseconds(cl_grace_ms)));
+  });
+
+  // client
+  tandem::tools::ClientOptions cli;
+  auto* c = app.add_subcommand("client", "Stream one request from a cluster's router");
+  c->add_option("--router", cli.router, "Router host:port")->required();
+  c->add_option("--prompt", cli.prompt, "Prompt text");
+  c->add_option("--model", cli.model, "Model id (default: the cluster's)");
+  c->add_option("--request-id", cli.request_id);
+  c->add_option("--max-tokens", cli.sampling.max_tokens, "Tokens to generate");
+  c->add_option("--temperature", cli.sampling.temperature, "0 = greedy");
+  c->add_option("--seed", cli.sampling.seed, "Sampling seed");
+  c->add_option("--top-k", cli.sampling.top_k);
+  c->add_option("--top-p", cli.sampling.top_p);
+  c->add_option("--min-p", cli.sampling.min_p);
+  c->add_option("--repeat-penalty", cli.sampling.repetition_penalty);
+  c->add_option("--presence-penalty", cli.sampling.presence_penalty);
+  c->add_option("--frequency-penalty", cli.sampling.frequency_penalty);
+  c->add_option("--penalty-last-n", cli.sampling.penalty_last_n);
+  c->add_option("--stop", cli.sampling.stop_strings, "Stop string (repeatable)");
+  c->add_option("--stop-token", cli.sampling.stop_token_ids, "Stop token id (repeatable)");
+  c->add_flag("--ignore-eos", cli.sampling.ignore_eos);
+  c->add_option("--timeout-ms", cli.timeout_ms, "Request deadline (0: none)");
+  c->add_flag("--json", cli.json, "Print token ids, text and timings as JSON");
+  c->callback([&] { rc = Report(tandem::tools::RunClient(cli)); });
 
   try {
     app.parse(argc, argv);

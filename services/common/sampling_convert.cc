@@ -1,0 +1,41 @@
+#include "services/common/sampling_convert.h"
+
+namespace tandem::services {
+
+engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
+  engine::SamplingParams s;
+  if (p.has_temperature()) s.temperature = p.temperature();
+  if (p.has_top_k()) s.top_k = p.top_k();
+  if (p.has_top_p()) s.top_p = p.top_p();
+  if (p.has_min_p()) s.min_p = p.min_p();
+  if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
+  if (p.has_presence_penalty()) s.presence_penalty = p.presence_penalty();
+  if (p.has_frequency_penalty()) s.frequency_penalty = p.frequency_penalty();
+  if (p.has_penalty_last_n()) s.penalty_last_n = p.penalty_last_n();
+  if (p.has_seed()) s.seed = p.seed();
+  if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.stop_strings.assign(p.stop().begin(), p.stop().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
+  v1::SamplingParams p;
+  p.set_temperature(s.temperature);
+  p.set_top_k(s.top_k);
+  p.set_top_p(s.top_p);
+  p.set_min_p(s.min_p);
+  p.set_repetition_penalty(s.repetition_penalty);
+  p.set_presence_penalty(s.presence_penalty);
+  p.set_frequency_penalty(s.frequency_penalty);
+  p.set_penalty_last_n(s.penalty_last_n);
+  p.set_seed(s.seed);
+  p.set_max_tokens(s.max_tokens);
+  for (int32_t id : s.stop_token_ids) p.add_stop_token_ids(id);
+  for (const std::string& str : s.stop_strings) p.add_stop(str);
+  p.set_ignore_eos(s.ignore_eos);
+  return p;
+}
+
+}  // namespace tandem::services

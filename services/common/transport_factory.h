@@ -1,0 +1,30 @@
+// Picks a KvTransport backend by name, for the worker binaries' --transport flag.
+//
+// "ucx": UCX (shared memory, TCP, RDMA); `ucx_tls` selects UCX transports ("shm", "tcp", "all"
+// or an explicit list). "inproc": peers in the same process only, useful for tests and a
+// single-process smoke run, useless between separate worker processes.
+// Which backends exist depends on the build; an absent one is UNIMPLEMENTED, an unknown name
+// INVALID_ARGUMENT. Thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/transfer/transfer.h"
+
+namespace tandem::services {
+
+struct TransportChoice {
+  std::string kind = "ucx";  // "ucx" or "inproc"
+  std::string name;          // instance name (inproc address); defaults to "worker"
+  std::string ucx_tls = "shm";
+};
+
+absl::StatusOr<std::unique_ptr<transfer::KvTransport>> CreateTransport(const TransportChoice& c);
+
+// The backends compiled into this build, in preference order.
+std::vector<std::string> AvailableTransports();
+
+}  // namespace tandem::services

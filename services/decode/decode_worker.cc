@@ -1,0 +1,361 @@
+#include "services/decode/decode_worker.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "common/util/status_util.h"
+#include "services/common/kv_layout.h"
+#include "services/common/sampling_convert.h"
+
+namespace tandem::decode {
+
+bool TokenStream::Next(absl::Time deadline, engine::TokenEvent* ev) {
+  absl::MutexLock l(&mu_);
+  auto has_event = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !events_.empty(); };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&has_event), deadline)) return false;
+  *ev = std::move(events_.front());
+  events_.pop_front();
+  return true;
+}
+
+void TokenStream::Push(const engine::TokenEvent& ev) {
+  absl::MutexLock l(&mu_);
+  events_.push_back(ev);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeWorkerOptions& o) {
+  if (o.model == nullptr) return absl::InvalidArgumentError("decode worker needs a model");
+  if (o.default_lease <= absl::ZeroDuration() || o.max_lease < o.default_lease) {
+    return absl::InvalidArgumentError("leases: need 0 < default_lease <= max_lease");
+  }
+  // The whole pool is one region, registered once: every reservation is a set of offsets into
+  // it, so requests cost no registration. Where the transport can allocate memory that peers
+  // write most cheaply (UCX: shared memory a local peer maps, so a put is one memcpy), the pool
+  // lives there; otherwise the engine maps its own and the transport registers it.
+  engine::EngineOptions eo = o.engine;
+  std::optional<transfer::RegionDescriptor> allocated;
+  if (o.transport != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes, engine::Engine::KvBytes(*o.model, eo));
+    absl::StatusOr<transfer::AllocatedRegion> a = o.transport->AllocateRegion(bytes);
+    if (a.ok()) {
+      eo.kv_memory = a->base;
+      eo.kv_memory_bytes = bytes;
+      allocated = a->descriptor;
+    } else if (a.status().code() != absl::StatusCode::kUnimplemented) {
+      return a.status();
+    }
+  }
+  absl::StatusOr<std::unique_ptr<engine::Engine>> engine = engine::Engine::Create(o.model, eo);
+  if (!engine.ok()) {
+    if (allocated) (void)o.transport->DeregisterRegion(allocated->region_id);
+    return engine.status();
+  }
+  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(*engine)));
+  if (allocated) {
+    w->region_bytes_ = allocated->Serialize();
+    w->region_id_ = allocated->region_id;
+    w->region_registered_ = true;
+    w->pool_in_transport_memory_ = true;
+  } else if (o.transport != nullptr) {
+    std::span<uint8_t> mem = w->engine_->kv().memory();
+    TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor region,
+                            o.transport->RegisterRegion(mem.data(), mem.size()));
+    w->region_bytes_ = region.Serialize();
+    w->region_id_ = region.region_id;
+    w->region_registered_ = true;
+  }
+  w->PublishStats();
+  w->thread_ = std::thread([p = w.get()] { p->Loop(); });
+  return w;
+}
+
+DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine)
+    : o_(o),
+      engine_(std::move(engine)),
+      scheduler_(std::make_unique<engine::Scheduler>(engine_.get())),
+      kv_blocks_total_(engine_->kv().pool().num_blocks()) {}
+
+DecodeWorker::~DecodeWorker() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  // Transport memory is freed by deregistering it: the engine goes first. Our own mapping
+  // outlives the registration, so no peer write can land in unmapped memory.
+  if (pool_in_transport_memory_) {
+    scheduler_.reset();
+    engine_.reset();
+  }
+  if (region_registered_) (void)o_.transport->DeregisterRegion(region_id_);
+}
+
+const std::string& DecodeWorker::model_name() const {
+  const engine::ModelConfig& c = engine_->model().config();
+  return c.name.empty() ? c.arch_name : c.name;
+}
+
+absl::Status DecodeWorker::Call(std::function<void()> fn) {
+  auto done = std::make_shared<absl::Notification>();
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_) return absl::UnavailableError("decode worker is shutting down");
+    inbox_.push_back([this, fn = std::move(fn), done] {
+      fn();
+      // Callers read Stats() right after; publish what this command changed first.
+      PublishStats();
+      done->Notify();
+    });
+  }
+  done->WaitForNotification();
+  return absl::OkStatus();
+}
+
+absl::Status DecodeWorker::RunOnEngineThread(std::function<void(engine::Engine&)> fn) {
+  return Call([&] { fn(*engine_); });
+}
+
+void DecodeWorker::Loop() {
+  bool busy = false;
+  for (;;) {
+    std::deque<std::function<void()>> cmds;
+    bool stopping;
+    {
+      absl::MutexLock l(&mu_);
+      if (!busy) {
+        // Idle: sleep until a command arrives or the next lease runs out.
+        auto ready = [this]()
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !inbox_.empty(); };
+        mu_.AwaitWithDeadline(absl::Condition(&ready), NextExpiry());
+      }
+      cmds.swap(inbox_);
+      stopping = stop_;
+    }
+    for (auto& c : cmds) c();
+    if (stopping) break;
+    ReapExpired(absl::Now());
+    if (o_.before_step && (scheduler_->num_running() > 0 || scheduler_->num_waiting() > 0)) {
+      o_.before_step();
+    }
+    absl::StatusOr<bool> progressed = scheduler_->Iterate();
+    // A failed step already finished the sequences it carried; keep serving the others.
+    busy = progressed.ok() ? *progressed : scheduler_->num_running() > 0;
+    PublishStats();
+  }
+  // Shutdown: end every stream and return every block.
+  std::vector<std::string> ids;
+  for (const auto& [id, unused] : active_) ids.push_back(id);
+  for (const std::string& id : ids) scheduler_->Cancel(id);
+  for (auto& [id, r] : reservations_) FreeBlocks(r.blocks);
+  reservations_.clear();
+  PublishStats();
+}
+
+void DecodeWorker::FreeBlocks(const std::vector<int32_t>& blocks) {
+  engine_->kv().pool().UnrefAll(blocks);
+}
+
+void DecodeWorker::ReapExpired(absl::Time now) {
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    if (it->second.expires <= now) {
+      FreeBlocks(it->second.blocks);
+      reservations_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::Time DecodeWorker::NextExpiry() const {
+  absl::Time t = absl::InfiniteFuture();
+  for (const auto& [id, r] : reservations_) t = std::min(t, r.expires);
+  return t;
+}
+
+void DecodeWorker::PublishStats() {
+  const engine::BlockPool& pool = engine_->kv().pool();
+  absl::MutexLock l(&mu_);
+  snapshot_.set_running(scheduler_->num_running());
+  snapshot_.set_waiting(scheduler_->num_waiting());
+  snapshot_.set_kv_blocks_total(pool.num_blocks());
+  snapshot_.set_kv_blocks_free(pool.num_free());
+  snapshot_.set_reservations(static_cast<int32_t>(reservations_.size()));
+}
+
+v1::WorkerStats DecodeWorker::Stats() const {
+  v1::WorkerStats s;
+  {
+    absl::MutexLock l(&mu_);
+    s = snapshot_;
+  }
+  if (o_.transport != nullptr) {
+    const transfer::TransportStats ts = o_.transport->stats();
+    s.set_transport_bytes_written(ts.bytes_written);
+    s.set_transport_bytes_received(ts.bytes_received);
+  }
+  s.set_kv_integrity_failures(integrity_failures_.load());
+  return s;
+}
+
+absl::StatusOr<v1::ReserveResponse> DecodeWorker::Reserve(const v1::ReserveRequest& req) {
+  absl::StatusOr<v1::ReserveResponse> out = absl::InternalError("not run");
+  TANDEM_RETURN_IF_ERROR(Call([&] { out = DoReserve(req); }));
+  return out;
+}
+
+absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveRequest& req) {
+  if (o_.transport == nullptr) {
+    return absl::FailedPreconditionError(
+        "this decode worker has no KV transport; it serves prefill_locally requests only");
+  }
+  const std::string& id = req.request_id();
+  if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
+  if (reservations_.contains(id) || active_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", id, " already exists here"));
+  }
+  if (req.prompt_tokens() < 1) return absl::InvalidArgumentError("prompt_tokens must be >= 1");
+  if (req.max_tokens() < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
+  const int64_t need = int64_t{req.prompt_tokens()} + req.max_tokens();
+  if (need > engine_->ctx_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_tokens + max_tokens = ", need, " exceeds the context size ", engine_->ctx_size()));
+  }
+  engine::KvCache& kv = engine_->kv();
+  const int64_t n = services::BlocksFor(need, kv.block_size());
+  if (n > kv.pool().num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request needs ", n, " KV blocks; the whole pool holds ", kv.pool().num_blocks()));
+  }
+  absl::StatusOr<std::vector<int32_t>> blocks = kv.pool().AllocateN(static_cast<int32_t>(n));
+  if (!blocks.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("request needs ", n, " KV blocks; ",
+                                                     kv.pool().num_free(), " are free right now"));
+  }
+  absl::Duration lease = req.lease_ms() > 0 ? absl::Milliseconds(req.lease_ms()) : o_.default_lease;
+  lease = std::min(lease, o_.max_lease);
+  Reservation r;
+  r.blocks = std::move(*blocks);
+  r.prompt_tokens = req.prompt_tokens();
+  r.max_tokens = req.max_tokens();
+  r.expires = absl::Now() + lease;
+
+  v1::ReserveResponse resp;
+  v1::KvDestination* dst = resp.mutable_destination();
+  dst->set_decode_worker(o_.worker_id);
+  dst->set_region(region_bytes_);
+  const int64_t prompt_blocks = services::BlocksFor(req.prompt_tokens(), kv.block_size());
+  for (int64_t i = 0; i < prompt_blocks; ++i) dst->add_block_ids(r.blocks[i]);
+  services::FillKvLayout(kv, dst);
+  resp.set_lease_expires_unix_ms(static_cast<uint64_t>(absl::ToUnixMillis(r.expires)));
+  reservations_.emplace(id, std::move(r));
+  return resp;
+}
+
+engine::GenerationRequest DecodeWorker::MakeRequest(const v1::DecodeRequest& req,
+                                                    std::shared_ptr<TokenStream> stream) {
+  engine::GenerationRequest g;
+  g.id = req.request_id();
+  g.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  g.sampling = services::SamplingFromProto(req.sampling());
+  // Runs on the engine thread (inside Submit*, Iterate or Cancel).
+  g.on_event = [this, stream = std::move(stream), id = g.id](const engine::TokenEvent& ev) {
+    if (ev.finished) active_.erase(id);
+    stream->Push(ev);
+  };
+  return g;
+}
+
+absl::StatusOr<std::shared_ptr<TokenStream>> DecodeWorker::StartDecode(
+    const v1::DecodeRequest& req) {
+  auto stream = std::make_shared<TokenStream>();
+  absl::Status st = absl::InternalError("not run");
+  TANDEM_RETURN_IF_ERROR(Call([&] { st = DoStartDecode(req, stream); }));
+  TANDEM_RETURN_IF_ERROR(st);
+  return stream;
+}
+
+absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
+                                         std::shared_ptr<TokenStream> stream) {
+  const std::string& id = req.request_id();
+  if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
+  if (active_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", id, " is already decoding here"));
+  }
+  if (req.prefill_locally()) {
+    // Colocated: the scheduler prefills the prompt itself, batched with the running decodes.
+    if (reservations_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", id, " holds a reservation"));
+    }
+    active_[id] = true;
+    absl::Status st = scheduler_->Submit(MakeRequest(req, std::move(stream)));
+    if (!st.ok()) active_.erase(id);
+    return st;
+  }
+
+  auto it = reservations_.find(id);
+  if (it == reservations_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no KV reservation for request ", id,
+                     " (never made, already claimed, or its lease ran out)"));
+  }
+  Reservation r = std::move(it->second);
+  reservations_.erase(it);
+  engine::KvCache& kv = engine_->kv();
+  const int64_t prompt = req.prompt_token_ids_size();
+  if (prompt != r.prompt_tokens) {
+    FreeBlocks(r.blocks);
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt has ", prompt, " tokens; the reservation was for ", r.prompt_tokens));
+  }
+  const int64_t prompt_blocks = services::BlocksFor(prompt, kv.block_size());
+  if (req.block_checksums_size() != prompt_blocks) {
+    FreeBlocks(r.blocks);
+    return absl::InvalidArgumentError(absl::StrCat("got ", req.block_checksums_size(),
+                                                   " block checksums; the prompt fills ",
+                                                   prompt_blocks, " blocks"));
+  }
+  // Verify before admitting: a sequence must never decode from KV that is not what prefill
+  // computed (a torn or misdirected transfer, a reused block, memory corruption).
+  const std::vector<uint64_t> sums = services::SequenceChecksums(kv, r.blocks, prompt);
+  for (int64_t i = 0; i < prompt_blocks; ++i) {
+    if (sums[i] != req.block_checksums(static_cast<int>(i))) {
+      integrity_failures_.fetch_add(1);
+      FreeBlocks(r.blocks);
+      return absl::DataLossError(absl::StrFormat(
+          "request %s: KV block %d (pool block %d) has checksum %016x, prefill sent %016x; "
+          "the transferred KV is corrupt",
+          id, i, r.blocks[i], sums[i], req.block_checksums(static_cast<int>(i))));
+    }
+  }
+  // Registered before submitting: the first event may already finish the request.
+  active_[id] = true;
+  absl::Status st = scheduler_->SubmitPrefilled(MakeRequest(req, std::move(stream)), r.blocks,
+                                                req.first_token_id());
+  if (!st.ok()) {
+    active_.erase(id);
+    FreeBlocks(r.blocks);  // validation failed before the scheduler took the blocks
+  }
+  return st;
+}
+
+bool DecodeWorker::Cancel(const std::string& request_id) {
+  bool found = false;
+  absl::Status st = Call([&] {
+    auto it = reservations_.find(request_id);
+    if (it != reservations_.end()) {
+      FreeBlocks(it->second.blocks);
+      reservations_.erase(it);
+      found = true;
+    }
+    if (active_.contains(request_id)) {
+      found = true;
+      scheduler_->Cancel(request_id);
+    }
+  });
+  return st.ok() && found;
+}
+
+}  // namespace tandem::decode

@@ -1,0 +1,143 @@
+// The decode worker's core: one engine, one continuous-batching scheduler, the KV reservations
+// remote prefills write into, all driven by ONE engine thread.
+//
+// Request path (disaggregated): Reserve allocates blocks for prompt + max_tokens under a lease
+// and returns where a prefill worker must write the prompt's K/V (the transport region of the
+// whole KV pool, registered once at start, plus block ids and layout facts). Decode later claims
+// the reservation, verifies the prefill's per-block checksums against its own blocks, and only
+// then admits the sequence (Scheduler::SubmitPrefilled); tokens then stream through a
+// TokenStream. An unclaimed reservation expires and its blocks return to the pool, so a dead
+// router or prefill worker never leaks KV memory.
+// Colocated path: a DecodeRequest with prefill_locally needs no reservation; the scheduler
+// prefills the prompt itself, in chunks batched with the running decodes.
+//
+// Threading: every public method is thread-safe and never runs model compute: each hands a
+// closure to the engine thread through a mutex-protected inbox and waits for its answer. The
+// engine thread owns the Engine, the Scheduler, the block pool and the reservation table; it
+// sleeps on a condition variable when there is nothing to do (waking for new work or the next
+// lease expiry) and never spins.
+// Ownership: the transport (optional: without one only colocated requests work) and the model
+// are the caller's and must outlive the worker.
+// Errors: NOT_FOUND (no such reservation, or it expired), DATA_LOSS (a block's checksum
+// differs: the blocks are freed and kv_integrity_failures counts it), RESOURCE_EXHAUSTED (no
+// room for a reservation), INVALID_ARGUMENT (bad request), UNAVAILABLE (shutting down).
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/transfer/transfer.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/scheduler.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::decode {
+
+struct DecodeWorkerOptions {
+  std::shared_ptr<const engine::Model> model;
+  engine::EngineOptions engine;
+  std::string worker_id = "decode";
+  transfer::KvTransport* transport = nullptr;        // not owned; null: colocated requests only
+  absl::Duration default_lease = absl::Seconds(10);  // for a ReserveRequest with lease_ms 0
+  absl::Duration max_lease = absl::Minutes(10);
+  // Test twin hook: runs on the engine thread before every scheduler iteration that has work.
+  // Tests slow the loop with it (to cancel mid-stream deterministically) or count steps.
+  std::function<void()> before_step;
+};
+
+// The events of one request, in order; the last one has finished set. Filled by the engine
+// thread, drained by one reader (the gRPC handler).
+class TokenStream {
+ public:
+  // Waits until an event is available or `deadline` passes (then returns false).
+  bool Next(absl::Time deadline, engine::TokenEvent* ev);
+
+ private:
+  friend class DecodeWorker;
+  void Push(const engine::TokenEvent& ev);
+
+  absl::Mutex mu_;
+  std::deque<engine::TokenEvent> events_ ABSL_GUARDED_BY(mu_);
+};
+
+class DecodeWorker {
+ public:
+  // Creates the engine and the KV pool, registers the pool with the transport (when there is
+  // one) and starts the engine thread.
+  static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(const DecodeWorkerOptions& o);
+  // Cancels every request (their streams end with CANCELLED), frees every block, stops the
+  // engine thread and deregisters the KV pool.
+  ~DecodeWorker();
+  DecodeWorker(const DecodeWorker&) = delete;
+  DecodeWorker& operator=(const DecodeWorker&) = delete;
+
+  absl::StatusOr<v1::ReserveResponse> Reserve(const v1::ReserveRequest& req);
+  // On success the stream's first event carries the first token.
+  absl::StatusOr<std::shared_ptr<TokenStream>> StartDecode(const v1::DecodeRequest& req);
+  // Cancels a reservation or a queued/running request; false when the id is unknown.
+  bool Cancel(const std::string& request_id);
+  v1::WorkerStats Stats() const;
+
+  // Runs `fn` on the engine thread and waits for it. Tests use it to look at or damage KV
+  // memory without racing the engine.
+  absl::Status RunOnEngineThread(std::function<void(engine::Engine&)> fn);
+
+  const std::string& worker_id() const { return o_.worker_id; }
+  int32_t kv_blocks_total() const { return kv_blocks_total_; }
+  const std::string& model_name() const;
+
+ private:
+  struct Reservation {
+    std::vector<int32_t> blocks;  // prompt + max_tokens
+    int32_t prompt_tokens = 0;
+    int32_t max_tokens = 0;
+    absl::Time expires;
+  };
+
+  DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine);
+  // Queues fn for the engine thread and waits until it ran; UNAVAILABLE after shutdown began.
+  absl::Status Call(std::function<void()> fn);
+  void Loop();
+  // Engine-thread helpers.
+  void ReapExpired(absl::Time now);
+  absl::Time NextExpiry() const;
+  void PublishStats();
+  absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
+  absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream);
+  engine::GenerationRequest MakeRequest(const v1::DecodeRequest& req,
+                                        std::shared_ptr<TokenStream> stream);
+  void FreeBlocks(const std::vector<int32_t>& blocks);
+
+  DecodeWorkerOptions o_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<engine::Scheduler> scheduler_;
+  int32_t kv_blocks_total_ = 0;
+  std::string region_bytes_;  // serialised descriptor of the registered KV pool
+  uint64_t region_id_ = 0;
+  bool region_registered_ = false;
+  bool pool_in_transport_memory_ = false;  // the KV pool lives in transport-allocated memory
+
+  // Engine-thread state.
+  absl::flat_hash_map<std::string, Reservation> reservations_;
+  absl::flat_hash_map<std::string, bool> active_;  // ids submitted and not yet finished
+
+  mutable absl::Mutex mu_;
+  std::deque<std::function<void()>> inbox_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Published by the engine thread after every turn, for Stats().
+  v1::WorkerStats snapshot_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> integrity_failures_{0};
+  std::thread thread_;
+};
+
+}  // namespace tandem::decode

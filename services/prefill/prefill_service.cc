@@ -1,0 +1,29 @@
+#include "services/prefill/prefill_service.h"
+
+#include "services/common/grpc_status.h"
+
+namespace tandem::prefill {
+
+grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
+                                     v1::PrefillResponse* resp) {
+  const absl::Time deadline = services::FromChronoDeadline(ctx->deadline());
+  absl::StatusOr<v1::PrefillResponse> r =
+      worker_->Prefill(*req, deadline, [ctx] { return ctx->IsCancelled(); });
+  if (!r.ok()) return services::ToGrpcStatus(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::Cancel(grpc::ServerContext* ctx, const v1::CancelRequest* req,
+                                    v1::CancelResponse* resp) {
+  resp->set_found(worker_->Cancel(req->request_id()));
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::Stats(grpc::ServerContext* ctx, const v1::WorkerStatsRequest* req,
+                                   v1::WorkerStats* resp) {
+  *resp = worker_->Stats();
+  return grpc::Status::OK;
+}
+
+}  // namespace tandem::prefill

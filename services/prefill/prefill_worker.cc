@@ -1,0 +1,473 @@
+#include "services/prefill/prefill_worker.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/util/status_util.h"
+#include "engine/sampling/sampler.h"
+#include "services/common/kv_layout.h"
+#include "services/common/sampling_convert.h"
+
+namespace tandem::prefill {
+
+struct PrefillWorker::Job {
+  // Fixed once queued.
+  std::string id;
+  std::vector<int32_t> prompt;
+  engine::SamplingParams sampling;
+  std::vector<int32_t> dst_blocks;
+  transfer::RegionDescriptor region;
+  uint64_t layer_stride = 0;
+  uint64_t kv_stride = 0;
+  absl::Time deadline;
+  std::chrono::steady_clock::time_point write_deadline;
+
+  std::atomic<bool> cancelled{false};
+
+  // Engine thread only.
+  std::vector<int32_t> local_blocks;
+  int64_t n_done = 0;
+  absl::Time compute_start;
+  absl::Time compute_end;
+  int32_t first_token = -1;
+  std::vector<uint64_t> checksums;
+  absl::Status compute_status;
+
+  // Shared by the engine thread (posting writes) and the transport's callbacks.
+  absl::Mutex mu;
+  int64_t writes_in_flight ABSL_GUARDED_BY(mu) = 0;
+  bool compute_over ABSL_GUARDED_BY(mu) = false;  // no more writes will be posted
+  absl::Status write_status ABSL_GUARDED_BY(mu);
+  uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
+  absl::Time writes_done ABSL_GUARDED_BY(mu);
+
+  // The outcome, set once.
+  absl::Mutex result_mu;
+  bool done ABSL_GUARDED_BY(result_mu) = false;
+  absl::StatusOr<v1::PrefillResponse> result ABSL_GUARDED_BY(result_mu) =
+      absl::InternalError("not finished");
+};
+
+absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
+    const PrefillWorkerOptions& o) {
+  if (o.model == nullptr) return absl::InvalidArgumentError("prefill worker needs a model");
+  if (o.transport == nullptr) return absl::InvalidArgumentError("prefill worker needs a transport");
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> engine,
+                          engine::Engine::Create(o.model, o.engine));
+  std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(engine)));
+  w->PublishStats();
+  w->thread_ = std::thread([p = w.get()] { p->Loop(); });
+  return w;
+}
+
+PrefillWorker::PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engine::Engine> engine)
+    : o_(o), engine_(std::move(engine)), kv_blocks_total_(engine_->kv().pool().num_blocks()) {
+  const transfer::Capabilities caps = o_.transport->capabilities();
+  transport_name_ = caps.detail.empty() ? caps.name : absl::StrCat(caps.name, ":", caps.detail);
+}
+
+PrefillWorker::~PrefillWorker() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+    cv_.Signal();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+const std::string& PrefillWorker::model_name() const {
+  const engine::ModelConfig& c = engine_->model().config();
+  return c.name.empty() ? c.arch_name : c.name;
+}
+
+absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
+    const v1::PrefillRequest& req, absl::Time deadline) const {
+  const engine::KvCache& kv = engine_->kv();
+  const int32_t vocab = engine_->model().config().n_vocab;
+  if (req.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+  const int64_t n = req.prompt_token_ids_size();
+  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
+  if (n >= engine_->ctx_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt has ", n, " tokens; the context holds ", engine_->ctx_size()));
+  }
+  for (int32_t t : req.prompt_token_ids()) {
+    if (t < 0 || t >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
+  auto job = std::make_shared<Job>();
+  job->sampling = services::SamplingFromProto(req.sampling());
+  TANDEM_RETURN_IF_ERROR(engine::ValidateSamplingParams(job->sampling, vocab));
+
+  const v1::KvDestination& dst = req.destination();
+  TANDEM_RETURN_IF_ERROR(services::CheckSameKvShape(dst, kv));
+  absl::StatusOr<transfer::RegionDescriptor> region =
+      transfer::RegionDescriptor::Parse(std::string_view(dst.region()));
+  if (!region.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV destination region: ", region.status().message()));
+  }
+  const int64_t blocks = services::BlocksFor(n, kv.block_size());
+  if (dst.block_ids_size() < blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("KV destination has ", dst.block_ids_size(),
+                                                   " blocks; the prompt fills ", blocks));
+  }
+  if (blocks > kv.pool().num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt needs ", blocks, " KV blocks; this worker's pool holds ", kv.pool().num_blocks()));
+  }
+  // Every byte this request writes must fall inside the destination region; catching it here
+  // gives the caller a clear answer before any compute is spent.
+  int64_t max_block = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int32_t b = dst.block_ids(static_cast<int>(i));
+    if (b < 0) return absl::InvalidArgumentError(absl::StrCat("block id ", b, " is negative"));
+    max_block = std::max<int64_t>(max_block, b);
+  }
+  const uint64_t end = (uint64_t(dst.num_layers()) - 1) * dst.layer_stride() + dst.kv_stride() +
+                       uint64_t(max_block + 1) * dst.block_bytes();
+  if (end > region->length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV destination block ", max_block, " lies outside the ", region->length, "-byte region"));
+  }
+  job->id = req.request_id();
+  job->prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  job->dst_blocks.assign(dst.block_ids().begin(), dst.block_ids().begin() + blocks);
+  job->region = std::move(*region);
+  job->layer_stride = dst.layer_stride();
+  job->kv_stride = dst.kv_stride();
+  job->deadline = deadline;
+  const absl::Duration left =
+      std::min(o_.max_transfer_time, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  job->write_deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(left);
+  return job;
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillWorker::Prefill(
+    const v1::PrefillRequest& req, absl::Time deadline, const std::function<bool()>& caller_gone) {
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, MakeJob(req, deadline));
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_) return absl::UnavailableError("prefill worker is shutting down");
+    if (!by_id_.emplace(job->id, job).second) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", job->id, " is already in flight"));
+    }
+    pending_.push_back(job);
+    cv_.Signal();
+  }
+  for (;;) {
+    {
+      absl::MutexLock l(&job->result_mu);
+      auto done = [j = job.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->result_mu) { return j->done; };
+      if (job->result_mu.AwaitWithDeadline(absl::Condition(&done),
+                                           std::min(deadline, absl::Now() + o_.poll))) {
+        return job->result;
+      }
+    }
+    const bool gone = caller_gone && caller_gone();
+    if (gone || absl::Now() >= deadline) {
+      // The engine thread frees the request's blocks once no write reads them any more.
+      job->cancelled.store(true);
+      {
+        absl::MutexLock l(&mu_);
+        wake_ = true;
+        cv_.Signal();
+      }
+      if (gone) return absl::CancelledError("prefill cancelled: the caller went away");
+      return absl::DeadlineExceededError("prefill did not finish before the deadline");
+    }
+  }
+}
+
+bool PrefillWorker::Cancel(const std::string& request_id) {
+  absl::MutexLock l(&mu_);
+  auto it = by_id_.find(request_id);
+  if (it == by_id_.end()) return false;
+  it->second->cancelled.store(true);
+  wake_ = true;
+  cv_.Signal();
+  return true;
+}
+
+v1::WorkerStats PrefillWorker::Stats() const {
+  v1::WorkerStats s;
+  {
+    absl::MutexLock l(&mu_);
+    s = snapshot_;
+  }
+  const transfer::TransportStats ts = o_.transport->stats();
+  s.set_transport_bytes_written(ts.bytes_written);
+  s.set_transport_bytes_received(ts.bytes_received);
+  return s;
+}
+
+void PrefillWorker::PublishStats() {
+  const engine::BlockPool& pool = engine_->kv().pool();
+  absl::MutexLock l(&mu_);
+  snapshot_.set_running(static_cast<int32_t>(active_.size()));
+  snapshot_.set_waiting(static_cast<int32_t>(queue_.size() + pending_.size()));
+  snapshot_.set_kv_blocks_total(pool.num_blocks());
+  snapshot_.set_kv_blocks_free(pool.num_free());
+}
+
+void PrefillWorker::Loop() {
+  bool computing = false;
+  bool stop_seen = false;
+  for (;;) {
+    std::vector<std::shared_ptr<Job>> ready;
+    bool stopping;
+    {
+      absl::MutexLock l(&mu_);
+      // Sleep unless there is compute to do, a request that may be admitted, drained writes to
+      // finish, a cancel to look at, or shutdown to begin or complete. While shutting down,
+      // requests whose writes are in flight are waited for, not polled.
+      auto must_act = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (!ready_.empty() || wake_ || !pending_.empty() || computing) return true;
+        if (!queue_.empty() && (!admit_blocked_ || stop_)) return true;
+        return stop_ && (!stop_seen || (queue_.empty() && active_.empty()));
+      };
+      while (!must_act()) cv_.Wait(&mu_);
+      wake_ = false;
+      stopping = stop_;
+      while (!pending_.empty()) {
+        queue_.push_back(std::move(pending_.front()));
+        pending_.pop_front();
+      }
+      ready.swap(ready_);
+    }
+    for (auto& j : ready) Finalize(j);
+    stop_seen = stopping;
+    shutting_down_ = stopping;
+    if (stopping) {
+      for (auto& j : queue_) j->cancelled.store(true);
+      for (auto& j : active_) j->cancelled.store(true);
+    }
+    // Cancelled or expired requests that hold no blocks end here.
+    const absl::Time now = absl::Now();
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      Job& j = **it;
+      if (j.cancelled.load() || now >= j.deadline) {
+        Complete(j, stopping             ? absl::UnavailableError("prefill worker is shutting down")
+                    : j.cancelled.load() ? absl::CancelledError("prefill cancelled")
+                                         : absl::DeadlineExceededError("deadline passed"));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Running requests that were cancelled stop computing; their blocks free once their
+    // writes drain.
+    const std::vector<std::shared_ptr<Job>> running = active_;
+    for (const std::shared_ptr<Job>& j : running) {
+      if (j->n_done < static_cast<int64_t>(j->prompt.size()) && j->compute_status.ok() &&
+          j->cancelled.load()) {
+        EndCompute(j, absl::CancelledError("prefill cancelled"));
+      }
+    }
+    if (stopping && queue_.empty() && active_.empty()) break;
+    if (!stopping) Admit();
+    computing = ComputeStep();
+    PublishStats();
+  }
+  PublishStats();
+}
+
+void PrefillWorker::Admit() {
+  engine::BlockPool& pool = engine_->kv().pool();
+  admit_blocked_ = false;
+  while (!queue_.empty()) {
+    Job& j = *queue_.front();
+    const int64_t n =
+        services::BlocksFor(static_cast<int64_t>(j.prompt.size()), engine_->kv().block_size());
+    absl::StatusOr<std::vector<int32_t>> blocks = pool.AllocateN(static_cast<int32_t>(n));
+    if (!blocks.ok()) {
+      admit_blocked_ = true;  // FIFO: the head waits for blocks to free up
+      return;
+    }
+    j.local_blocks = std::move(*blocks);
+    j.compute_start = absl::Now();
+    active_.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+}
+
+bool PrefillWorker::ComputeStep() {
+  const int64_t budget = engine_->options().max_batch_tokens;
+  std::vector<engine::SeqChunk> chunks;
+  std::vector<std::shared_ptr<Job>> jobs;
+  int64_t used = 0;
+  // A copy: EndCompute may finish (and unlist) a request.
+  const std::vector<std::shared_ptr<Job>> candidates = active_;
+  for (const std::shared_ptr<Job>& j : candidates) {
+    if (used >= budget) break;
+    const int64_t left = static_cast<int64_t>(j->prompt.size()) - j->n_done;
+    if (left <= 0 || !j->compute_status.ok()) continue;
+    absl::Status write_status;
+    {
+      absl::MutexLock l(&j->mu);
+      write_status = j->write_status;
+    }
+    if (!write_status.ok()) {  // the destination is gone: stop spending compute on it
+      EndCompute(j, write_status);
+      continue;
+    }
+    const int64_t n = std::min(left, budget - used);
+    engine::SeqChunk ch;
+    ch.tokens = std::span<const int32_t>(j->prompt).subspan(j->n_done, n);
+    ch.start_pos = static_cast<int32_t>(j->n_done);
+    ch.block_table = j->local_blocks;
+    ch.want_logits = j->n_done + n == static_cast<int64_t>(j->prompt.size());
+    chunks.push_back(ch);
+    jobs.push_back(j);
+    used += n;
+  }
+  if (chunks.empty()) return false;
+  if (o_.before_step) o_.before_step();
+
+  absl::Status st = engine_->Step(chunks, &logits_, [&](int32_t layer) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      PostLayerWrites(jobs[i], chunks[i].start_pos, static_cast<int64_t>(chunks[i].tokens.size()),
+                      layer);
+    }
+  });
+  if (!st.ok()) {
+    for (auto& j : jobs) EndCompute(j, st);
+    return true;
+  }
+  const int32_t vocab = engine_->model().config().n_vocab;
+  int64_t out = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Job& j = *jobs[i];
+    j.n_done += static_cast<int64_t>(chunks[i].tokens.size());
+    if (!chunks[i].want_logits) continue;
+    std::span<float> lg(logits_.data() + out * vocab, vocab);
+    ++out;
+    // The same sampler, seed and history the decode side (and a single-process run) uses.
+    engine::Sampler sampler(j.sampling);
+    j.first_token = sampler.Sample(lg, j.prompt);
+    j.compute_end = absl::Now();
+    // The local copy no longer changes: checksum it while the last writes are in flight.
+    j.checksums = services::SequenceChecksums(engine_->kv(), j.local_blocks,
+                                              static_cast<int64_t>(j.prompt.size()));
+    EndCompute(jobs[i], absl::OkStatus());
+  }
+  return true;
+}
+
+void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t start, int64_t n,
+                                    int32_t layer) {
+  Job& job = *keep;
+  engine::KvCache& kv = engine_->kv();
+  const int64_t bs = kv.block_size();
+  const uint64_t block_bytes = kv.block_bytes();
+  const uint64_t slot_bytes = kv.slot_elems() * kv.elem_bytes();
+  const uint8_t* k = kv.k_layer(layer);
+  const uint8_t* v = kv.v_layer(layer);
+  std::vector<transfer::WriteOp> ops;
+  for (int64_t pos = start; pos < start + n;) {
+    const int64_t bi = pos / bs;
+    const int64_t s0 = pos - bi * bs;
+    const int64_t s1 = std::min(bs, start + n - bi * bs);
+    const uint64_t len = uint64_t(s1 - s0) * slot_bytes;
+    const uint64_t local = uint64_t(job.local_blocks[bi]) * block_bytes + s0 * slot_bytes;
+    const uint64_t remote = uint64_t(layer) * job.layer_stride +
+                            uint64_t(job.dst_blocks[bi]) * block_bytes + s0 * slot_bytes;
+    ops.push_back({k + local, len, remote});
+    ops.push_back({v + local, len, remote + job.kv_stride});
+    pos = bi * bs + s1;
+  }
+  uint64_t bytes = 0;
+  for (const auto& op : ops) bytes += op.length;
+  {
+    absl::MutexLock l(&job.mu);
+    ++job.writes_in_flight;
+  }
+  // The callback may run inline or on the transport's thread; it holds the job alive.
+  o_.transport->WriteAsync(job.region, std::move(ops), job.write_deadline,
+                           [this, keep, bytes](absl::Status s) {
+                             bool ready = false;
+                             {
+                               absl::MutexLock l(&keep->mu);
+                               if (s.ok()) {
+                                 keep->bytes += bytes;
+                               } else if (keep->write_status.ok()) {
+                                 keep->write_status = std::move(s);
+                               }
+                               ready = --keep->writes_in_flight == 0 && keep->compute_over;
+                               if (ready) keep->writes_done = absl::Now();
+                             }
+                             if (ready) PostReady(keep);
+                           });
+}
+
+void PrefillWorker::PostReady(std::shared_ptr<Job> job) {
+  absl::MutexLock l(&mu_);
+  ready_.push_back(std::move(job));
+  cv_.Signal();
+}
+
+void PrefillWorker::EndCompute(const std::shared_ptr<Job>& job, absl::Status status) {
+  job->compute_status = std::move(status);
+  job->n_done = static_cast<int64_t>(job->prompt.size());  // nothing more to compute
+  bool drained;
+  {
+    absl::MutexLock l(&job->mu);
+    job->compute_over = true;
+    drained = job->writes_in_flight == 0;
+    if (drained) job->writes_done = absl::Now();
+  }
+  if (drained) Finalize(job);
+}
+
+void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
+  engine_->kv().pool().UnrefAll(job->local_blocks);
+  job->local_blocks.clear();
+  std::erase(active_, job);
+  absl::Status write_status;
+  uint64_t bytes;
+  absl::Time writes_done;
+  {
+    absl::MutexLock l(&job->mu);
+    write_status = job->write_status;
+    bytes = job->bytes;
+    writes_done = job->writes_done;
+  }
+  if (job->cancelled.load()) {
+    Complete(*job, shutting_down_ ? absl::UnavailableError("prefill worker is shutting down")
+                                  : absl::CancelledError("prefill cancelled"));
+  } else if (!job->compute_status.ok()) {
+    Complete(*job, job->compute_status);
+  } else if (!write_status.ok()) {
+    Complete(*job, absl::Status(write_status.code(),
+                                absl::StrCat("KV transfer to the decode worker failed: ",
+                                             write_status.message())));
+  } else {
+    v1::PrefillResponse r;
+    r.set_first_token_id(job->first_token);
+    for (uint64_t c : job->checksums) r.add_block_checksums(c);
+    r.set_bytes_transferred(bytes);
+    r.set_compute_seconds(absl::ToDoubleSeconds(job->compute_end - job->compute_start));
+    r.set_transfer_seconds(
+        absl::ToDoubleSeconds(std::max(writes_done - job->compute_end, absl::ZeroDuration())));
+    r.set_transport(transport_name_);
+    Complete(*job, std::move(r));
+  }
+}
+
+void PrefillWorker::Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result) {
+  // Callers read Stats() right after their answer: publish what freeing this request changed.
+  PublishStats();
+  {
+    absl::MutexLock l(&mu_);
+    auto it = by_id_.find(job.id);
+    if (it != by_id_.end() && it->second.get() == &job) by_id_.erase(it);
+  }
+  absl::MutexLock l(&job.result_mu);
+  job.result = std::move(result);
+  job.done = true;
+}
+
+}  // namespace tandem::prefill

@@ -1,0 +1,118 @@
+// The prefill worker's core: computes a prompt's KV with chunked prefill and writes it, layer by
+// layer as layers finish, straight into a decode worker's reserved blocks over the KvTransport.
+//
+// One Prefill: allocate local blocks; run the prompt through Engine::Step in chunks (several
+// requests' chunks share a step when they are in flight together); after each layer of a step
+// post one transport write per request for exactly the bytes of that chunk's positions in the
+// layer's K and V, so the transfer of layer l overlaps the compute of layers l+1...; sample the
+// first token from the last logits with the request's sampling params; wait until every write
+// is visible at the destination; checksum each block of the local copy (kv_layout.h); free the
+// local blocks; answer. The decode worker verifies those checksums before decoding.
+//
+// Threading: Prefill blocks its caller (a gRPC handler thread) until the request completes,
+// fails, is cancelled or its deadline passes; it never computes. ONE engine thread owns the
+// Engine and its block pool and sleeps on a condition variable when idle. Transport callbacks
+// only count completions and wake the engine thread. Local blocks stay allocated until every
+// write that reads them has completed, even when the request was cancelled.
+// Ownership: model and transport belong to the caller and must outlive the worker.
+// Errors: INVALID_ARGUMENT (bad prompt, sampling or destination), FAILED_PRECONDITION (the
+// destination's KV layout differs from this worker's), ALREADY_EXISTS (id in flight),
+// CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE (peer unreachable, or shutting down).
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/transfer/transfer.h"
+#include "engine/runtime/engine.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::prefill {
+
+struct PrefillWorkerOptions {
+  std::shared_ptr<const engine::Model> model;
+  engine::EngineOptions engine;
+  std::string worker_id = "prefill";
+  transfer::KvTransport* transport = nullptr;  // not owned; required
+  // Bounds the transfer of a request whose RPC has no deadline.
+  absl::Duration max_transfer_time = absl::Minutes(2);
+  // How often a waiting Prefill checks whether its caller gave up.
+  absl::Duration poll = absl::Milliseconds(20);
+  // Test twin hook: runs on the engine thread before every engine step. Tests hold the engine
+  // with it to cancel queued or running prefills deterministically.
+  std::function<void()> before_step;
+};
+
+class PrefillWorker {
+ public:
+  static absl::StatusOr<std::unique_ptr<PrefillWorker>> Create(const PrefillWorkerOptions& o);
+  // Fails queued requests with UNAVAILABLE, cancels running ones and waits for their writes.
+  ~PrefillWorker();
+  PrefillWorker(const PrefillWorker&) = delete;
+  PrefillWorker& operator=(const PrefillWorker&) = delete;
+
+  // Blocks until done. `caller_gone` (may be empty) is polled; when it returns true the request
+  // is cancelled. PrefillResponse.compute_seconds is the wall time from the first to the last
+  // chunk; transfer_seconds the time writes took after the last chunk (the part compute did not
+  // hide).
+  absl::StatusOr<v1::PrefillResponse> Prefill(const v1::PrefillRequest& req, absl::Time deadline,
+                                              const std::function<bool()>& caller_gone = {});
+  // Cancels a queued or running request; false when the id is unknown.
+  bool Cancel(const std::string& request_id);
+  v1::WorkerStats Stats() const;
+
+  const std::string& worker_id() const { return o_.worker_id; }
+  int32_t kv_blocks_total() const { return kv_blocks_total_; }
+  const std::string& model_name() const;
+
+ private:
+  struct Job;
+  PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engine::Engine> engine);
+  absl::StatusOr<std::shared_ptr<Job>> MakeJob(const v1::PrefillRequest& req,
+                                               absl::Time deadline) const;
+  void Loop();
+  // Engine-thread helpers.
+  void Admit();
+  bool ComputeStep();
+  void PostLayerWrites(const std::shared_ptr<Job>& job, int64_t start, int64_t n, int32_t layer);
+  void EndCompute(const std::shared_ptr<Job>& job, absl::Status status);
+  void Finalize(const std::shared_ptr<Job>& job);
+  void Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result);
+  void PublishStats();
+  // Transport-callback side: the job's last write completed after its compute ended.
+  void PostReady(std::shared_ptr<Job> job);
+
+  PrefillWorkerOptions o_;
+  std::unique_ptr<engine::Engine> engine_;
+  int32_t kv_blocks_total_ = 0;
+  std::string transport_name_;
+
+  // Engine-thread state.
+  std::deque<std::shared_ptr<Job>> queue_;    // accepted, waiting for local blocks
+  std::vector<std::shared_ptr<Job>> active_;  // holding local blocks
+  bool admit_blocked_ = false;                // the queue head did not fit; wait for frees
+  bool shutting_down_ = false;                // cancelled requests then answer UNAVAILABLE
+  std::vector<float> logits_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::deque<std::shared_ptr<Job>> pending_ ABSL_GUARDED_BY(mu_);  // new, for the engine thread
+  std::vector<std::shared_ptr<Job>> ready_ ABSL_GUARDED_BY(mu_);   // writes drained
+  absl::flat_hash_map<std::string, std::shared_ptr<Job>> by_id_ ABSL_GUARDED_BY(mu_);
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;  // a cancel to look at
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  v1::WorkerStats snapshot_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace tandem::prefill

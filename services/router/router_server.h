@@ -1,0 +1,61 @@
+// RouterServer: the router process minus flag parsing. Owns the model's tokenizer, the worker
+// registry, admission control, the worker channels and the gRPC server (services/common's
+// bootstrap) that hosts the Inference and Registry services plus grpc.health.v1 and reflection. A
+// background thread expires worker leases.
+//
+// Lifecycle: Create (listens and serves before it returns) -> Shutdown (health turns
+// NOT_SERVING, new requests are refused with UNAVAILABLE, running ones get `grace` to finish,
+// then everything left is cancelled and connections close) -> destruction.
+// Threading: port() and the accessors may be called from any thread; Shutdown once.
+// Errors: Create fails on bad options (INVALID_ARGUMENT), an unreadable model, or a port it
+// cannot bind (UNAVAILABLE).
+#pragma once
+
+#include <memory>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "services/common/grpc_server.h"
+#include "services/router/admission.h"
+#include "services/router/router_model.h"
+#include "services/router/router_service.h"
+#include "services/router/worker_channels.h"
+#include "services/router/worker_registry.h"
+
+namespace tandem::router {
+
+class RouterServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(const RouterOptions& o);
+  ~RouterServer();
+  RouterServer(const RouterServer&) = delete;
+  RouterServer& operator=(const RouterServer&) = delete;
+
+  int port() const { return server_->port(); }
+  std::string address() const;  // host:port as clients on this host reach it
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+
+  WorkerRegistry& registry() { return *registry_; }
+  const RouterModel& model() const { return *model_; }
+  const InferenceService& inference() const { return *inference_; }
+
+ private:
+  RouterServer() = default;
+  void SweepLoop();
+
+  RouterOptions o_;
+  std::unique_ptr<RouterModel> model_;
+  std::unique_ptr<WorkerRegistry> registry_;
+  std::unique_ptr<Admission> admission_;
+  std::unique_ptr<WorkerChannels> channels_;
+  std::unique_ptr<InferenceService> inference_;
+  std::unique_ptr<RegistryService> registry_service_;
+  std::unique_ptr<services::GrpcServer> server_;
+  absl::Notification stop_;
+  std::thread sweeper_;
+  bool shut_down_ = false;
+};
+
+}  // namespace tandem::router

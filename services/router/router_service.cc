@@ -1,0 +1,509 @@
+#include "services/router/router_service.h"
+
+#include <algorithm>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "services/common/grpc_status.h"
+#include "services/common/sampling_convert.h"
+#include "services/router/log.h"
+
+namespace tandem::router {
+namespace {
+
+absl::Status Prefixed(const absl::Status& st, const std::string& prefix) {
+  if (st.ok()) return st;
+  return absl::Status(st.code(), absl::StrCat(prefix, st.message()));
+}
+
+absl::Status CancelledByClient() {
+  return absl::CancelledError("the client cancelled the request (or its deadline passed)");
+}
+
+// An outgoing call tied to the incoming one: gRPC propagates the client's cancellation and
+// deadline to it, and `deadline` (never later than the request's) bounds it explicitly.
+std::unique_ptr<grpc::ClientContext> Child(const grpc::ServerContext& parent, absl::Time deadline) {
+  std::unique_ptr<grpc::ClientContext> cc = grpc::ClientContext::FromServerContext(parent);
+  cc->set_deadline(services::ToChronoDeadline(deadline));
+  return cc;
+}
+
+const char* FinishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    case v1::FINISH_REASON_ERROR:
+      return "error";
+    default:
+      return "none";
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateRouterOptions(const RouterOptions& o) {
+  if (o.model_path.empty()) return absl::InvalidArgumentError("model is required");
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port must be in [0, 65535], got ", o.port));
+  }
+  if (o.ctx_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ctx_size must be >= 0, got ", o.ctx_size));
+  }
+  if (o.worker_lease < absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError("lease_ms must be >= 100");
+  }
+  if (o.reserve_lease < absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError("reserve_lease_ms must be >= 100");
+  }
+  if (o.default_timeout <= absl::ZeroDuration() || o.control_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("timeouts must be positive");
+  }
+  if (o.max_inflight < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_inflight must be >= 1, got ", o.max_inflight));
+  }
+  if (o.max_queue < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
+  }
+  if (o.kv_block_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_block_size must be >= 1, got ", o.kv_block_size));
+  }
+  return absl::OkStatus();
+}
+
+struct InferenceService::Call {
+  grpc::ServerContext* ctx = nullptr;
+  grpc::ServerWriter<v1::GenerateResponse>* writer = nullptr;
+  std::string id;
+  PreparedRequest req;
+  absl::Time arrival, admitted, deadline;
+  bool relayed_any = false;  // once true, nothing may be retried
+  std::string prefill_worker, decode_worker, transport;
+  double prefill_compute_s = 0, kv_transfer_s = 0;
+  int32_t completion_tokens = 0;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  absl::Time first_token_at = absl::InfinitePast();
+
+  bool Cancelled() const { return ctx->IsCancelled(); }
+  // Whether a failed hop should move on to another worker: the worker is down, full or slow,
+  // and the request itself still has time.
+  bool RetryOnAnother(const absl::Status& st) const {
+    if (Cancelled() || absl::Now() >= deadline) return false;
+    return st.code() == absl::StatusCode::kUnavailable ||
+           st.code() == absl::StatusCode::kResourceExhausted ||
+           st.code() == absl::StatusCode::kDeadlineExceeded;
+  }
+};
+
+InferenceService::InferenceService(const RouterModel* model, WorkerRegistry* registry,
+                                   Admission* admission, WorkerChannels* channels,
+                                   const RouterOptions& o)
+    : model_(model),
+      registry_(registry),
+      admission_(admission),
+      channels_(channels),
+      o_(o),
+      id_salt_(std::random_device{}()) {}
+
+absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const {
+  if (!model_->Matches(req.model())) {
+    return absl::NotFoundError(absl::StrCat(
+        "model '", req.model(), "' is not served here; this router serves '", model_->id(), "'"));
+  }
+  const int32_t vocab = model_->vocab_size();
+  switch (req.prompt_case()) {
+    case v1::GenerateRequest::kText:
+      out->prompt = model_->tokenizer().Encode(req.text(), /*add_special=*/true,
+                                               /*parse_special=*/true);
+      if (out->prompt.empty()) {
+        return absl::InvalidArgumentError("prompt.text is empty and the model adds no BOS token");
+      }
+      break;
+    case v1::GenerateRequest::kTokenIds: {
+      const auto& ids = req.token_ids().ids();
+      if (ids.empty()) return absl::InvalidArgumentError("prompt.token_ids is empty");
+      for (int i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= vocab) {
+          return absl::InvalidArgumentError(absl::StrCat("prompt.token_ids[", i, "] = ", ids[i],
+                                                         " is outside the vocabulary [0, ", vocab,
+                                                         ")"));
+        }
+      }
+      out->prompt.assign(ids.begin(), ids.end());
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("prompt is required: set prompt.text or prompt.token_ids");
+  }
+  out->engine_sampling = services::SamplingFromProto(req.sampling());
+  if (absl::Status st = engine::ValidateSamplingParams(out->engine_sampling, vocab); !st.ok()) {
+    return Prefixed(st, "sampling.");
+  }
+  const int64_t n = static_cast<int64_t>(out->prompt.size());
+  const int64_t ctx = model_->ctx_size();
+  if (n >= ctx) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt has ", n, " tokens; the context holds ", ctx));
+  }
+  const int64_t need = n + out->engine_sampling.max_tokens;
+  if (need > ctx) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.max_tokens: prompt (", n, " tokens) plus max_tokens (",
+                     out->engine_sampling.max_tokens, ") exceeds the context size ", ctx));
+  }
+  out->sampling = services::SamplingToProto(out->engine_sampling);
+  out->kv_blocks = (need + o_.kv_block_size - 1) / o_.kv_block_size;
+  return absl::OkStatus();
+}
+
+std::string InferenceService::NewRequestId() {
+  return absl::StrFormat("rt-%08x-%d", static_cast<uint32_t>(id_salt_), next_id_.fetch_add(1));
+}
+
+bool InferenceService::ClaimId(const std::string& id) {
+  absl::MutexLock lock(&ids_mu_);
+  return active_ids_.insert(id).second;
+}
+
+void InferenceService::ReleaseId(const std::string& id) {
+  absl::MutexLock lock(&ids_mu_);
+  active_ids_.erase(id);
+}
+
+grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  active_++;
+  struct Done {
+    std::atomic<int>& n;
+    ~Done() { n--; }
+  } done{active_};
+  if (draining_) {
+    return services::ToGrpcStatus(absl::UnavailableError("the router is shutting down"));
+  }
+  Call c;
+  c.ctx = ctx;
+  c.writer = writer;
+  c.arrival = absl::Now();
+  c.deadline =
+      std::min(services::FromChronoDeadline(ctx->deadline()), c.arrival + o_.default_timeout);
+  if (absl::Status st = Prepare(*req, &c.req); !st.ok()) {
+    failed_++;
+    return services::ToGrpcStatus(st);
+  }
+  c.id = req->request_id().empty() ? NewRequestId() : req->request_id();
+  if (!ClaimId(c.id)) {
+    failed_++;
+    return services::ToGrpcStatus(
+        absl::AlreadyExistsError(absl::StrCat("request_id '", c.id, "' is already in flight")));
+  }
+  absl::Status result;
+  {
+    absl::StatusOr<Slot> slot =
+        admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); });
+    if (!slot.ok()) {
+      result = slot.status();
+    } else {
+      c.admitted = absl::Now();
+      result = Route(c);
+    }
+  }
+  ReleaseId(c.id);
+  (result.ok() ? ok_ : failed_)++;
+  if (o_.verbose || !result.ok()) {
+    Logf("%s prompt=%zu completion=%d prefill=%s decode=%s finish=%s %.1f ms: %s", c.id.c_str(),
+         c.req.prompt.size(), c.completion_tokens, c.prefill_worker.c_str(),
+         c.decode_worker.c_str(), FinishName(c.finish),
+         absl::ToDoubleMilliseconds(absl::Now() - c.arrival), result.ToString().c_str());
+  }
+  return services::ToGrpcStatus(result);
+}
+
+absl::Status InferenceService::Route(Call& c) {
+  const absl::Time retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
+  absl::Duration backoff = absl::Milliseconds(10);
+  int unavailable_rounds = 0;
+  while (true) {
+    absl::Status st;
+    const PlanKind plan = registry_->Plan();
+    switch (plan) {
+      case PlanKind::kDisaggregated:
+        st = RunDisaggregated(c);
+        break;
+      case PlanKind::kColocated:
+        st = RunColocated(c);
+        break;
+      case PlanKind::kNone:
+        st = absl::UnavailableError(absl::StrCat(
+            "no worker can serve the request: the router needs a prefill and a decode worker, "
+            "or a colocated one (",
+            registry_->size(), " registered, counting draining ones)"));
+        break;
+    }
+    if (st.ok() || c.relayed_any) return st;
+    if (c.Cancelled()) return CancelledByClient();
+    // Full pools are worth waiting for; vanished workers get a couple more tries (the
+    // registry drops them within a lease); anything else is final.
+    const bool full = st.code() == absl::StatusCode::kResourceExhausted;
+    const bool gone = plan != PlanKind::kNone && st.code() == absl::StatusCode::kUnavailable &&
+                      ++unavailable_rounds < 3;
+    if (!full && !gone) return st;
+    if (absl::Now() + backoff >= retry_until) return st;
+    for (absl::Time until = absl::Now() + backoff; absl::Now() < until;) {
+      if (c.Cancelled()) return CancelledByClient();
+      absl::SleepFor(std::min(absl::Milliseconds(20), until - absl::Now()));
+    }
+    backoff = std::min(backoff * 2, absl::Milliseconds(200));
+  }
+}
+
+absl::Status InferenceService::RunDisaggregated(Call& c) {
+  // 1. Reserve KV on a decode worker.
+  absl::flat_hash_set<std::string> tried;
+  absl::Status last = absl::UnavailableError("no decode worker available");
+  Assignment d;
+  v1::ReserveResponse reserve;
+  while (true) {
+    d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
+    if (!d) return last;
+    tried.insert(d.worker_id());
+    v1::ReserveRequest rq;
+    rq.set_request_id(c.id);
+    rq.set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
+    rq.set_max_tokens(c.req.engine_sampling.max_tokens);
+    rq.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(o_.reserve_lease)));
+    auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
+    auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
+    reserve.Clear();
+    const grpc::Status gs = stub->Reserve(cc.get(), rq, &reserve);
+    if (gs.ok()) break;
+    const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
+                                     absl::StrCat("decode worker ", d.worker_id(), " Reserve: "));
+    // A Reserve that timed out or was cut off may still have reserved: undo it.
+    if (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        gs.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      CancelOnDecode(d.address(), c.id);
+    }
+    if (c.Cancelled()) return CancelledByClient();
+    if (!c.RetryOnAnother(st)) return st;
+    last = st;
+  }
+  c.decode_worker = d.worker_id();
+
+  // 2. Prefill on a prefill worker, which writes the KV into the reservation.
+  tried.clear();
+  last = absl::UnavailableError("no prefill worker available");
+  v1::PrefillResponse pr;
+  while (true) {
+    Assignment p = registry_->Pick(Pool::kPrefill, 0, tried);
+    if (!p) {
+      CancelOnDecode(d.address(), c.id);
+      return last;
+    }
+    tried.insert(p.worker_id());
+    v1::PrefillRequest preq;
+    preq.set_request_id(c.id);
+    preq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
+    *preq.mutable_sampling() = c.req.sampling;
+    *preq.mutable_destination() = reserve.destination();
+    auto cc = Child(*c.ctx, c.deadline);
+    auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
+    pr.Clear();
+    const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
+    if (gs.ok()) {
+      c.prefill_worker = p.worker_id();
+      break;
+    }
+    const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
+                                     absl::StrCat("prefill worker ", p.worker_id(), ": "));
+    if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) CancelOnPrefill(p.address(), c.id);
+    if (c.Cancelled()) {
+      CancelOnDecode(d.address(), c.id);
+      return CancelledByClient();
+    }
+    if (!c.RetryOnAnother(st)) {
+      CancelOnDecode(d.address(), c.id);
+      return st;
+    }
+    last = st;  // the reservation still stands (it has a lease): try another prefill worker
+  }
+  c.prefill_compute_s = pr.compute_seconds();
+  c.kv_transfer_s = pr.transfer_seconds();
+  c.transport = pr.transport();
+
+  // 3. Decode, relaying the stream.
+  v1::DecodeRequest dreq;
+  dreq.set_request_id(c.id);
+  dreq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
+  *dreq.mutable_sampling() = c.req.sampling;
+  dreq.set_first_token_id(pr.first_token_id());
+  *dreq.mutable_block_checksums() = pr.block_checksums();
+  const absl::Status st = RelayDecode(c, d, dreq);
+  if (!st.ok() && !c.relayed_any && !c.Cancelled()) CancelOnDecode(d.address(), c.id);
+  return st;
+}
+
+absl::Status InferenceService::RunColocated(Call& c) {
+  absl::flat_hash_set<std::string> tried;
+  absl::Status last = absl::UnavailableError("no colocated worker available");
+  while (true) {
+    Assignment w = registry_->Pick(Pool::kColocated, c.req.kv_blocks, tried);
+    if (!w) return last;
+    tried.insert(w.worker_id());
+    c.prefill_worker = c.decode_worker = w.worker_id();
+    v1::DecodeRequest dreq;
+    dreq.set_request_id(c.id);
+    dreq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
+    *dreq.mutable_sampling() = c.req.sampling;
+    dreq.set_prefill_locally(true);
+    const absl::Status st = RelayDecode(c, w, dreq);
+    if (st.ok() || c.relayed_any || !c.RetryOnAnother(st)) return st;
+    last = st;
+  }
+}
+
+absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
+                                           const v1::DecodeRequest& dreq) {
+  auto cc = Child(*c.ctx, c.deadline);
+  auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
+  const absl::Time sent = absl::Now();
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Decode(cc.get(), dreq);
+  v1::GenerateResponse msg;
+  bool finished = false;
+  bool client_gone = false;
+  while (reader->Read(&msg)) {
+    msg.set_request_id(c.id);
+    if (msg.prefill_worker().empty()) msg.set_prefill_worker(c.prefill_worker);
+    if (msg.decode_worker().empty()) msg.set_decode_worker(c.decode_worker);
+    if (!c.relayed_any) {
+      const absl::Time now = absl::Now();
+      c.first_token_at = now;
+      msg.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
+      v1::TtftBreakdown* t = msg.mutable_ttft();
+      // The worker knows its own parts best; the router fills in what it alone saw.
+      if (t->queue() == 0) t->set_queue(absl::ToDoubleSeconds(c.admitted - c.arrival));
+      if (t->prefill_compute() == 0) t->set_prefill_compute(c.prefill_compute_s);
+      if (t->kv_transfer() == 0) t->set_kv_transfer(c.kv_transfer_s);
+      if (t->first_decode_step() == 0) t->set_first_decode_step(absl::ToDoubleSeconds(now - sent));
+      t->set_total(absl::ToDoubleSeconds(now - c.arrival));
+    }
+    c.completion_tokens += msg.token_ids_size();
+    if (msg.finished()) {
+      finished = true;
+      c.finish = msg.finish_reason();
+      v1::Usage* u = msg.mutable_usage();
+      if (u->prompt_tokens() == 0) u->set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
+      if (u->completion_tokens() == 0) u->set_completion_tokens(c.completion_tokens);
+    }
+    if (!c.writer->Write(msg)) {
+      client_gone = true;
+      cc->TryCancel();
+      break;
+    }
+    c.relayed_any = true;
+  }
+  const grpc::Status gs = reader->Finish();
+  if (client_gone || c.Cancelled()) {
+    if (!finished) CancelOnDecode(d.address(), c.id);
+    return CancelledByClient();
+  }
+  if (!gs.ok()) {
+    return Prefixed(services::FromGrpcStatus(gs),
+                    absl::StrCat("decode worker ", d.worker_id(), ": "));
+  }
+  if (!finished) {
+    return absl::InternalError(
+        absl::StrCat("decode worker ", d.worker_id(), " ended the stream without a final message"));
+  }
+  return absl::OkStatus();
+}
+
+void InferenceService::CancelOnDecode(const std::string& address, const std::string& request_id) {
+  grpc::ClientContext cc;  // not a child: the request's own context may be cancelled already
+  cc.set_deadline(services::ToChronoDeadline(absl::Now() + o_.control_timeout));
+  v1::CancelRequest rq;
+  rq.set_request_id(request_id);
+  v1::CancelResponse resp;
+  const grpc::Status gs =
+      v1::DecodeWorker::NewStub(channels_->Get(address))->Cancel(&cc, rq, &resp);
+  if (!gs.ok() && o_.verbose) {
+    Logf("%s: Cancel on decode %s failed: %s", request_id.c_str(), address.c_str(),
+         gs.error_message().c_str());
+  }
+}
+
+void InferenceService::CancelOnPrefill(const std::string& address, const std::string& request_id) {
+  grpc::ClientContext cc;
+  cc.set_deadline(services::ToChronoDeadline(absl::Now() + o_.control_timeout));
+  v1::CancelRequest rq;
+  rq.set_request_id(request_id);
+  v1::CancelResponse resp;
+  const grpc::Status gs =
+      v1::PrefillWorker::NewStub(channels_->Get(address))->Cancel(&cc, rq, &resp);
+  if (!gs.ok() && o_.verbose) {
+    Logf("%s: Cancel on prefill %s failed: %s", request_id.c_str(), address.c_str(),
+         gs.error_message().c_str());
+  }
+}
+
+grpc::Status InferenceService::Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* req,
+                                        v1::TokenizeResponse* resp) {
+  if (!model_->Matches(req->model())) {
+    return services::ToGrpcStatus(absl::NotFoundError(absl::StrCat(
+        "model '", req->model(), "' is not served here; this router serves '", model_->id(), "'")));
+  }
+  const std::vector<int32_t> ids =
+      model_->tokenizer().Encode(req->text(), req->add_special(), /*parse_special=*/true);
+  resp->mutable_token_ids()->Add(ids.begin(), ids.end());
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                                          v1::ListModelsResponse* resp) {
+  v1::ModelInfo* m = resp->add_models();
+  m->set_id(model_->id());
+  m->set_architecture(model_->config().arch_name);
+  m->set_context_length(model_->ctx_size());
+  m->set_vocab_size(model_->vocab_size());
+  return grpc::Status::OK;
+}
+
+grpc::Status RegistryService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
+                                       v1::RegisterResponse* resp) {
+  if (absl::Status st = registry_->Register(*req); !st.ok()) {
+    Logf("register %s refused: %s", req->worker_id().c_str(), st.ToString().c_str());
+    return services::ToGrpcStatus(st);
+  }
+  Logf("registered %s: %s at %s, %d KV blocks", req->worker_id().c_str(),
+       v1::WorkerRole_Name(req->role()).c_str(), req->address().c_str(), req->kv_blocks_total());
+  resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(registry_->options().lease)));
+  return grpc::Status::OK;
+}
+
+grpc::Status RegistryService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                                        v1::HeartbeatResponse* resp) {
+  resp->set_known(registry_->Heartbeat(*req));
+  return grpc::Status::OK;
+}
+
+grpc::Status RegistryService::Deregister(grpc::ServerContext*, const v1::DeregisterRequest* req,
+                                         v1::DeregisterResponse*) {
+  if (registry_->Deregister(req->worker_id())) {
+    Logf("deregistered %s", req->worker_id().c_str());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RegistryService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                                          v1::ListWorkersResponse* resp) {
+  for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
+  return grpc::Status::OK;
+}
+
+}  // namespace tandem::router

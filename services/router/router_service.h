@@ -1,0 +1,143 @@
+// The router's two gRPC services.
+//
+// InferenceService (tandem.v1.Inference, public): validates and tokenises a request, admits it
+// (bounded in-flight and queue, see admission.h), chooses workers (worker_registry.h) and drives
+// the disaggregated handoff:
+//   1. DecodeWorker.Reserve on the chosen decode worker -> KV destination (blocks + region);
+//   2. PrefillWorker.Prefill on the chosen prefill worker, which writes the prompt's KV straight
+//      into that destination over the KV transport and returns the first token and checksums;
+//   3. DecodeWorker.Decode (server stream), every message relayed to the client as it comes.
+// With only colocated (BOTH) workers, or either pool empty, step 3 alone goes to a colocated
+// worker with prefill_locally set. Reserve and prefill failures that another worker might not
+// have (UNAVAILABLE, RESOURCE_EXHAUSTED) move on to the next worker; when every pool is full the
+// request waits (bounded by its deadline and retry_budget) rather than failing. Once a token has
+// been relayed there is no retry.
+//
+// Deadlines and cancellation: every outgoing call is created from the incoming ServerContext,
+// so gRPC propagates the client's deadline and cancellation to it; each also gets an explicit
+// deadline (the request's, or a shorter control timeout for Reserve). When the client goes away
+// the router also calls Cancel on the workers involved, so their blocks are freed at once.
+//
+// RegistryService (tandem.v1.Registry, internal): Register / Heartbeat / Deregister of workers
+// and ListWorkers for tools and tests.
+//
+// Threading: both services are called on gRPC's sync-server threads, many at once; they share
+// only thread-safe objects. Ownership: the services borrow everything; RouterServer owns it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/sampling/sampler.h"
+#include "services/router/admission.h"
+#include "services/router/router_model.h"
+#include "services/router/worker_channels.h"
+#include "services/router/worker_registry.h"
+#include "tandem/v1/inference.grpc.pb.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::router {
+
+struct RouterOptions {
+  std::string model_path;
+  std::string model_id;  // empty: the model file's stem
+  int32_t ctx_size = 0;  // 0: min(trained context, 4096), as the workers default to
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: any free port (see RouterServer::port())
+  absl::Duration worker_lease = absl::Seconds(3);
+  absl::Duration reserve_lease = absl::Seconds(30);    // asked of decode workers per Reserve
+  absl::Duration default_timeout = absl::Minutes(10);  // for requests without a deadline
+  absl::Duration control_timeout = absl::Seconds(5);   // Reserve and Cancel calls
+  absl::Duration retry_budget = absl::Seconds(30);     // waiting for room in full pools
+  int max_inflight = 256;
+  int max_queue = 1024;
+  int kv_block_size = 16;  // the workers' block size, for load accounting only
+  Policy policy = Policy::kLeastLoad;
+  bool verbose = false;  // a log line per request
+};
+
+// INVALID_ARGUMENT naming the first bad field.
+absl::Status ValidateRouterOptions(const RouterOptions& o);
+
+// A request after validation: what the workers are sent.
+struct PreparedRequest {
+  std::vector<int32_t> prompt;
+  engine::SamplingParams engine_sampling;
+  v1::SamplingParams sampling;  // as received (workers apply the same defaults)
+  int64_t kv_blocks = 0;        // blocks the request will hold on its decode worker
+};
+
+class InferenceService final : public v1::Inference::Service {
+ public:
+  InferenceService(const RouterModel* model, WorkerRegistry* registry, Admission* admission,
+                   WorkerChannels* channels, const RouterOptions& o);
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Tokenize(grpc::ServerContext* ctx, const v1::TokenizeRequest* req,
+                        v1::TokenizeResponse* resp) override;
+  grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest* req,
+                          v1::ListModelsResponse* resp) override;
+
+  // Validation and tokenisation alone (INVALID_ARGUMENT naming the field, NOT_FOUND for
+  // another model). Public for tests.
+  absl::Status Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const;
+
+  uint64_t requests_ok() const { return ok_.load(); }
+  uint64_t requests_failed() const { return failed_.load(); }
+  // Shutdown support: once draining, new Generate calls are refused with UNAVAILABLE while
+  // those already running continue; active() counts the running ones.
+  void StartDraining() { draining_ = true; }
+  int active() const { return active_.load(); }
+
+ private:
+  struct Call;  // one Generate in progress
+  absl::Status Route(Call& c);
+  absl::Status RunDisaggregated(Call& c);
+  absl::Status RunColocated(Call& c);
+  absl::Status RelayDecode(Call& c, const Assignment& d, const v1::DecodeRequest& dreq);
+  void CancelOnDecode(const std::string& address, const std::string& request_id);
+  void CancelOnPrefill(const std::string& address, const std::string& request_id);
+  std::string NewRequestId();
+  bool ClaimId(const std::string& id);
+  void ReleaseId(const std::string& id);
+
+  const RouterModel* model_;
+  WorkerRegistry* registry_;
+  Admission* admission_;
+  WorkerChannels* channels_;
+  const RouterOptions o_;
+  const uint64_t id_salt_;
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> ok_{0};
+  std::atomic<uint64_t> failed_{0};
+  std::atomic<bool> draining_{false};
+  std::atomic<int> active_{0};
+  absl::Mutex ids_mu_;
+  absl::flat_hash_set<std::string> active_ids_ ABSL_GUARDED_BY(ids_mu_);
+};
+
+class RegistryService final : public v1::Registry::Service {
+ public:
+  explicit RegistryService(WorkerRegistry* registry) : registry_(registry) {}
+
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                        v1::RegisterResponse* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override;
+  grpc::Status Deregister(grpc::ServerContext* ctx, const v1::DeregisterRequest* req,
+                          v1::DeregisterResponse* resp) override;
+  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
+                           v1::ListWorkersResponse* resp) override;
+
+ private:
+  WorkerRegistry* registry_;
+};
+
+}  // namespace tandem::router

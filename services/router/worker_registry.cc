@@ -1,0 +1,237 @@
+#include "services/router/worker_registry.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tandem::router {
+namespace {
+
+// "dir/stories260K.gguf" -> "stories260K"; a bare id stays as it is.
+std::string Stem(const std::string& name) {
+  std::string s = name;
+  if (auto slash = s.find_last_of('/'); slash != std::string::npos) s = s.substr(slash + 1);
+  if (s.size() > 5 && s.compare(s.size() - 5, 5, ".gguf") == 0) s.resize(s.size() - 5);
+  return s;
+}
+
+bool RoleInPool(v1::WorkerRole role, Pool pool) {
+  switch (pool) {
+    case Pool::kPrefill:
+      return role == v1::WORKER_ROLE_PREFILL;
+    case Pool::kDecode:
+      return role == v1::WORKER_ROLE_DECODE;
+    case Pool::kColocated:
+      return role == v1::WORKER_ROLE_BOTH;
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::Status ParsePolicy(const std::string& name, Policy* out) {
+  if (name == "least-load") {
+    *out = Policy::kLeastLoad;
+  } else if (name == "round-robin") {
+    *out = Policy::kRoundRobin;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy must be least-load or round-robin, got '", name, "'"));
+  }
+  return absl::OkStatus();
+}
+
+const char* PolicyName(Policy p) { return p == Policy::kLeastLoad ? "least-load" : "round-robin"; }
+
+Assignment& Assignment::operator=(Assignment&& o) noexcept {
+  if (this != &o) {
+    Release();
+    registry_ = o.registry_;
+    worker_id_ = std::move(o.worker_id_);
+    address_ = std::move(o.address_);
+    role_ = o.role_;
+    generation_ = o.generation_;
+    o.registry_ = nullptr;
+  }
+  return *this;
+}
+
+void Assignment::Release() {
+  if (registry_ == nullptr) return;
+  registry_->Unassign(worker_id_, generation_);
+  registry_ = nullptr;
+}
+
+WorkerRegistry::WorkerRegistry(RegistryOptions o) : o_(std::move(o)) {}
+
+absl::Status WorkerRegistry::Register(const v1::RegisterRequest& req) {
+  if (req.worker_id().empty()) return absl::InvalidArgumentError("worker_id is empty");
+  if (req.address().empty()) return absl::InvalidArgumentError("address is empty");
+  if (req.role() != v1::WORKER_ROLE_PREFILL && req.role() != v1::WORKER_ROLE_DECODE &&
+      req.role() != v1::WORKER_ROLE_BOTH) {
+    return absl::InvalidArgumentError(absl::StrCat("role must be PREFILL, DECODE or BOTH, got ",
+                                                   v1::WorkerRole_Name(req.role())));
+  }
+  if (req.kv_blocks_total() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_blocks_total must be >= 0, got ", req.kv_blocks_total()));
+  }
+  if (!req.model().empty() && !o_.model_names.empty()) {
+    const std::string stem = Stem(req.model());
+    const bool match = std::any_of(o_.model_names.begin(), o_.model_names.end(),
+                                   [&](const std::string& n) { return Stem(n) == stem; });
+    if (!match) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", req.worker_id(), " serves model '", req.model(),
+                       "' but this router serves '", absl::StrJoin(o_.model_names, "' / '"), "'"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  Worker& w = workers_[req.worker_id()];
+  w = Worker{};
+  w.reg = req;
+  w.lease_expiry = now + o_.lease;
+  w.last_heartbeat = now;
+  w.generation = next_generation_++;
+  return absl::OkStatus();
+}
+
+bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& req) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(req.worker_id());
+  if (it == workers_.end()) return false;
+  Worker& w = it->second;
+  const absl::Time now = Now();
+  if (now >= w.lease_expiry) {
+    // Too late: the worker was already invisible to Pick. Forget it so it registers afresh.
+    workers_.erase(it);
+    return false;
+  }
+  w.lease_expiry = now + o_.lease;
+  w.last_heartbeat = now;
+  if (req.has_stats()) {
+    w.stats = req.stats();
+    w.have_stats = true;
+    w.pending_blocks = 0;  // the report now includes what was picked before it
+  }
+  w.draining = w.draining || req.draining();
+  return true;
+}
+
+bool WorkerRegistry::Deregister(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  return workers_.erase(worker_id) > 0;
+}
+
+std::vector<std::string> WorkerRegistry::ExpireLeases() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  std::vector<std::string> gone;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (now >= it->second.lease_expiry) {
+      gone.push_back(it->first);
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return gone;
+}
+
+bool WorkerRegistry::Eligible(const Worker& w, Pool pool, absl::Time now) const {
+  return !w.draining && now < w.lease_expiry && RoleInPool(w.reg.role(), pool);
+}
+
+PlanKind WorkerRegistry::Plan() const {
+  absl::ReaderMutexLock lock(&mu_);
+  const absl::Time now = Now();
+  bool prefill = false, decode = false, both = false;
+  for (const auto& [id, w] : workers_) {
+    prefill |= Eligible(w, Pool::kPrefill, now);
+    decode |= Eligible(w, Pool::kDecode, now);
+    both |= Eligible(w, Pool::kColocated, now);
+  }
+  if (prefill && decode) return PlanKind::kDisaggregated;
+  if (both) return PlanKind::kColocated;
+  return PlanKind::kNone;
+}
+
+Assignment WorkerRegistry::Pick(Pool pool, int64_t kv_blocks,
+                                const absl::flat_hash_set<std::string>& exclude) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  const bool kv_pool = pool != Pool::kPrefill;
+  Worker* best = nullptr;
+  // Smaller key wins. Free blocks are negated so that more free sorts first.
+  using Key = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
+  Key best_key{};
+  for (auto& [id, w] : workers_) {
+    if (!Eligible(w, pool, now) || exclude.contains(id)) continue;
+    Key key;
+    if (o_.policy == Policy::kRoundRobin) {
+      key = {0, 0, 0, w.last_pick};
+    } else if (kv_pool) {
+      const int64_t free =
+          (w.have_stats ? w.stats.kv_blocks_free() : w.reg.kv_blocks_total()) - w.pending_blocks;
+      key = {-free, w.inflight, w.have_stats ? w.stats.running() : 0, w.last_pick};
+    } else {
+      const int64_t reported = w.have_stats ? w.stats.running() + w.stats.waiting() : 0;
+      key = {w.inflight, reported, 0, w.last_pick};
+    }
+    // std::map iterates in id order, so equal keys resolve to the smallest id.
+    if (best == nullptr || key < best_key) {
+      best = &w;
+      best_key = key;
+    }
+  }
+  Assignment a;
+  if (best == nullptr) return a;
+  best->inflight++;
+  best->routed++;
+  best->last_pick = ++pick_seq_;
+  if (kv_pool) best->pending_blocks += kv_blocks;
+  a.registry_ = this;
+  a.worker_id_ = best->reg.worker_id();
+  a.address_ = best->reg.address();
+  a.role_ = best->reg.role();
+  a.generation_ = best->generation;
+  return a;
+}
+
+void WorkerRegistry::Unassign(const std::string& id, uint64_t generation) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(id);
+  if (it == workers_.end() || it->second.generation != generation) return;
+  if (it->second.inflight > 0) it->second.inflight--;
+}
+
+std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
+  absl::ReaderMutexLock lock(&mu_);
+  const absl::Time now = Now();
+  std::vector<v1::WorkerInfo> out;
+  for (const auto& [id, w] : workers_) {
+    v1::WorkerInfo& i = out.emplace_back();
+    i.set_worker_id(id);
+    i.set_role(w.reg.role());
+    i.set_address(w.reg.address());
+    i.set_model(w.reg.model());
+    i.set_kv_blocks_total(w.reg.kv_blocks_total());
+    i.set_draining(w.draining);
+    if (w.have_stats) *i.mutable_stats() = w.stats;
+    i.set_lease_remaining_ms(absl::ToInt64Milliseconds(w.lease_expiry - now));
+    i.set_router_inflight(w.inflight);
+    i.set_requests_routed(w.routed);
+    i.set_last_heartbeat_age_ms(absl::ToInt64Milliseconds(now - w.last_heartbeat));
+  }
+  return out;
+}
+
+size_t WorkerRegistry::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return workers_.size();
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,87 @@
+// A prefill worker and a decode worker, each behind a real gRPC server on a loopback port 0 and
+// each with its own in-process KV transport, driven the way the router drives them:
+// Reserve on decode, Prefill on prefill (KV lands in decode's pool), Decode on decode.
+// Also the single-process reference: engine::Scheduler on one engine.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/transfer/transfer.h"
+#include "engine/runtime/scheduler.h"
+#include "grpcpp/grpcpp.h"
+#include "services/common/grpc_server.h"
+#include "services/decode/decode_service.h"
+#include "services/prefill/prefill_service.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::testing {
+
+// "tiny" (written by WriteTinyModel) or "stories260K" (null when ../shared/models is absent).
+std::shared_ptr<const engine::Model> LoadTestModel(const std::string& which);
+
+engine::EngineOptions TestEngineOptions(int max_batch_tokens, kernels::DType kv_type);
+
+// Deterministic prompt: BOS then pseudo-random ids in [3, 253).
+std::vector<int32_t> TestPrompt(int n, uint32_t seed);
+
+struct Generated {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::string text;
+  v1::FinishReason reason = v1::FINISH_REASON_UNSPECIFIED;
+  int messages = 0;
+  int32_t first_message_token = -1;
+  v1::Usage usage;
+  v1::PrefillResponse prefill;
+};
+
+// What engine::Scheduler produces for the request in one process.
+Generated ReferenceRun(std::shared_ptr<const engine::Model> model, kernels::DType kv_type,
+                       const std::vector<int32_t>& prompt, const engine::SamplingParams& sp);
+
+struct ClusterOptions {
+  kernels::DType kv_type = kernels::DType::kF32;
+  int decode_kv_blocks = 0;           // 0: engine default
+  int prefill_max_batch_tokens = 24;  // small: forces chunked prefill
+  std::function<void()> before_step;  // decode engine-loop hook
+  std::function<void()> prefill_before_step;
+};
+
+class TestCluster {
+ public:
+  TestCluster(std::shared_ptr<const engine::Model> model, const ClusterOptions& o = {});
+  ~TestCluster();
+
+  absl::StatusOr<v1::ReserveResponse> Reserve(const std::string& id, int prompt_tokens,
+                                              int max_tokens, uint32_t lease_ms = 10000);
+  grpc::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp);
+  // Reads a whole Decode stream.
+  Generated Decode(const v1::DecodeRequest& req);
+  // Reserve -> Prefill -> Decode, as the router does.
+  Generated Generate(const std::string& id, const std::vector<int32_t>& prompt,
+                     const engine::SamplingParams& sp);
+
+  v1::WorkerStats DecodeStats();
+  v1::WorkerStats PrefillStats();
+  // Polls decode Stats until pred holds (explicit timeout).
+  bool WaitForDecode(const std::function<bool(const v1::WorkerStats&)>& pred,
+                     absl::Duration timeout = absl::Seconds(10));
+
+  std::unique_ptr<transfer::KvTransport> decode_transport;
+  std::unique_ptr<transfer::KvTransport> prefill_transport;
+  std::unique_ptr<decode::DecodeWorker> decode;
+  std::unique_ptr<prefill::PrefillWorker> prefill;
+  std::unique_ptr<decode::DecodeService> decode_service;
+  std::unique_ptr<prefill::PrefillService> prefill_service;
+  std::unique_ptr<services::GrpcServer> decode_server;
+  std::unique_ptr<services::GrpcServer> prefill_server;
+  std::shared_ptr<grpc::Channel> decode_channel;
+  std::shared_ptr<grpc::Channel> prefill_channel;
+  std::unique_ptr<v1::DecodeWorker::Stub> decode_stub;
+  std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub;
+};
+
+}  // namespace tandem::testing

@@ -1,0 +1,664 @@
+// Prefill -> decode handoff through the real services: gRPC on loopback, KV over the in-process
+// transport. The tokens must equal what engine::Scheduler produces in one process, every way
+// a request can end must return the decode pool to its starting state, and a damaged block
+// must be caught before it is decoded from.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/transfer/inproc/inproc_transport.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/support/sync_stream.h"
+#include "gtest/gtest.h"
+#include "services/common/kv_layout.h"
+#include "services/common/sampling_convert.h"
+#include "tests/component/services/cluster_fixture.h"
+
+namespace tandem::testing {
+namespace {
+
+engine::SamplingParams Greedy(int max_tokens) {
+  engine::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = true;
+  return sp;
+}
+
+engine::SamplingParams Seeded(int max_tokens, uint64_t seed) {
+  engine::SamplingParams sp;
+  sp.temperature = 0.8f;
+  sp.top_k = 40;
+  sp.top_p = 0.95f;
+  sp.seed = seed;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = true;
+  return sp;
+}
+
+void ExpectPoolsAtRest(TestCluster& c) {
+  ASSERT_TRUE(c.WaitForDecode([](const v1::WorkerStats& s) {
+    return s.running() == 0 && s.reservations() == 0 && s.kv_blocks_free() == s.kv_blocks_total();
+  })) << c.DecodeStats().DebugString();
+  const v1::WorkerStats p = c.PrefillStats();
+  EXPECT_EQ(p.kv_blocks_free(), p.kv_blocks_total());
+  EXPECT_EQ(p.running(), 0);
+}
+
+struct HandoffParam {
+  std::string model;
+  kernels::DType kv_type;
+};
+void PrintTo(const HandoffParam& p, std::ostream* os) {
+  *os << p.model << (p.kv_type == kernels::DType::kF16 ? "/f16" : "/f32");
+}
+
+class HandoffTest : public ::testing::TestWithParam<HandoffParam> {
+ protected:
+  void SetUp() override {
+    model_ = LoadTestModel(GetParam().model);
+    if (model_ == nullptr) GTEST_SKIP() << GetParam().model << " is not available here";
+  }
+  std::shared_ptr<const engine::Model> model_;
+};
+
+TEST_P(HandoffTest, MatchesOneProcessScheduler) {
+  ClusterOptions co;
+  co.kv_type = GetParam().kv_type;
+  TestCluster c(model_, co);
+  const engine::ModelConfig& cfg = model_->config();
+  const uint64_t elem = GetParam().kv_type == kernels::DType::kF16 ? 2 : 4;
+  const uint64_t bytes_per_pos = 2ull * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * elem;
+  int n = 0;
+  // One block partly filled, exactly one block, one past it, and prompts spanning many blocks
+  // (prefilled in 24-token chunks that cut blocks in the middle).
+  for (int len : {1, 5, 16, 17, 47, 100, 161}) {
+    for (bool seeded : {false, true}) {
+      const auto prompt = TestPrompt(len, 100 + len);
+      const engine::SamplingParams sp = seeded ? Seeded(20, 7 + len) : Greedy(20);
+      const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+      const Generated got = c.Generate("req-" + std::to_string(n++), prompt, sp);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      SCOPED_TRACE(::testing::Message() << "prompt " << len << (seeded ? " seeded" : " greedy"));
+      EXPECT_EQ(got.tokens, ref.tokens);
+      EXPECT_EQ(got.text, ref.text);
+      EXPECT_EQ(got.reason, ref.reason);
+      ASSERT_FALSE(got.tokens.empty());
+      EXPECT_EQ(got.first_message_token, got.prefill.first_token_id());
+      EXPECT_EQ(got.usage.prompt_tokens(), len);
+      EXPECT_EQ(got.usage.completion_tokens(), static_cast<int>(got.tokens.size()));
+      EXPECT_EQ(got.prefill.block_checksums_size(), services::BlocksFor(len, 16));
+      // Exactly the prompt positions' K and V of every layer travelled, nothing more.
+      EXPECT_EQ(got.prefill.bytes_transferred(), bytes_per_pos * len);
+      EXPECT_EQ(got.prefill.transport().rfind("inproc", 0), 0u) << got.prefill.transport();
+    }
+  }
+  ExpectPoolsAtRest(c);
+  const v1::WorkerStats d = c.DecodeStats();
+  EXPECT_EQ(d.kv_integrity_failures(), 0u);
+  EXPECT_GT(d.transport_bytes_received(), 0u);
+  EXPECT_EQ(c.PrefillStats().transport_bytes_written(), d.transport_bytes_received());
+}
+
+TEST_P(HandoffTest, ConcurrentRequestsMatchOneProcessScheduler) {
+  ClusterOptions co;
+  co.kv_type = GetParam().kv_type;
+  TestCluster c(model_, co);
+  const std::vector<int> lens = {70, 33, 9, 120};
+  std::vector<Generated> got(lens.size()), ref(lens.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const engine::SamplingParams sp = i % 2 ? Seeded(16, i) : Greedy(16);
+    ref[i] = ReferenceRun(model_, GetParam().kv_type, TestPrompt(lens[i], i), sp);
+    threads.emplace_back(
+        [&, i, sp] { got[i] = c.Generate(absl::StrCat("c", i), TestPrompt(lens[i], i), sp); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < lens.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, ref[i].tokens) << "request " << i;
+  }
+  ExpectPoolsAtRest(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HandoffTest,
+                         ::testing::Values(HandoffParam{"tiny", kernels::DType::kF32},
+                                           HandoffParam{"tiny", kernels::DType::kF16},
+                                           HandoffParam{"stories260K", kernels::DType::kF32}),
+                         [](const auto& info) {
+                           return info.param.model +
+                                  (info.param.kv_type == kernels::DType::kF16 ? "_f16" : "_f32");
+                         });
+
+class ServicesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = LoadTestModel("tiny");
+    ASSERT_NE(model_, nullptr);
+  }
+
+  // Reserve and prefill, stopping before Decode.
+  v1::DecodeRequest Prefilled(TestCluster& c, const std::string& id,
+                              const std::vector<int32_t>& prompt, const engine::SamplingParams& sp,
+                              v1::ReserveResponse* reservation = nullptr) {
+    absl::StatusOr<v1::ReserveResponse> r =
+        c.Reserve(id, static_cast<int>(prompt.size()), sp.max_tokens);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (reservation != nullptr) *reservation = *r;
+    v1::PrefillRequest pr;
+    pr.set_request_id(id);
+    for (int32_t t : prompt) pr.add_prompt_token_ids(t);
+    *pr.mutable_sampling() = services::SamplingToProto(sp);
+    *pr.mutable_destination() = r->destination();
+    v1::PrefillResponse presp;
+    grpc::Status st = c.Prefill(pr, &presp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    v1::DecodeRequest dr;
+    dr.set_request_id(id);
+    *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
+    *dr.mutable_sampling() = pr.sampling();
+    dr.set_first_token_id(presp.first_token_id());
+    *dr.mutable_block_checksums() = presp.block_checksums();
+    return dr;
+  }
+
+  std::shared_ptr<const engine::Model> model_;
+};
+
+TEST_F(ServicesTest, CorruptedBlockIsDataLossAndFreesTheBlocks) {
+  TestCluster c(model_);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  const auto prompt = TestPrompt(40, 3);  // blocks 0, 1 full; block 2 holds 8 positions
+  v1::ReserveResponse res;
+  v1::DecodeRequest dr = Prefilled(c, "bad", prompt, Greedy(8), &res);
+  EXPECT_EQ(c.DecodeStats().reservations(), 1);
+  // One bit of one V value of the last layer, in the middle block, after the transfer.
+  const int32_t victim = res.destination().block_ids(1);
+  ASSERT_TRUE(c.decode
+                  ->RunOnEngineThread([&](engine::Engine& e) {
+                    engine::KvCache& kv = e.kv();
+                    kv.v_layer(kv.options().num_layers - 1)[victim * kv.block_bytes() + 37] ^= 0x10;
+                  })
+                  .ok());
+  const Generated g = c.Decode(dr);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::DATA_LOSS) << g.status.error_message();
+  EXPECT_NE(g.status.error_message().find("checksum"), std::string::npos);
+  EXPECT_TRUE(g.tokens.empty());
+  const v1::WorkerStats s = c.DecodeStats();
+  EXPECT_EQ(s.kv_integrity_failures(), 1u);
+  EXPECT_EQ(s.kv_blocks_free(), at_rest.kv_blocks_free());
+  EXPECT_EQ(s.reservations(), 0);
+  EXPECT_EQ(s.running(), 0);
+  // The reservation is gone: a retry with the same id is NOT_FOUND, not a decode of bad KV.
+  EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Damage past the prompt's last position is not part of what prefill sent: still fine.
+  v1::DecodeRequest ok = Prefilled(c, "fine", prompt, Greedy(8), &res);
+  const int32_t last = res.destination().block_ids(2);
+  ASSERT_TRUE(c.decode
+                  ->RunOnEngineThread([&](engine::Engine& e) {
+                    engine::KvCache& kv = e.kv();
+                    const size_t slot_bytes = kv.slot_elems() * kv.elem_bytes();
+                    kv.k_layer(0)[last * kv.block_bytes() + 8 * slot_bytes] ^= 0x10;
+                  })
+                  .ok());
+  const Generated good = c.Decode(ok);
+  EXPECT_TRUE(good.status.ok()) << good.status.error_message();
+  EXPECT_EQ(good.tokens, ReferenceRun(model_, kernels::DType::kF32, prompt, Greedy(8)).tokens);
+  EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 1u);
+  ExpectPoolsAtRest(c);
+}
+
+TEST_F(ServicesTest, ExpiredReservationFreesItsBlocks) {
+  TestCluster c(model_);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::ReserveResponse> r = c.Reserve("late", 50, 30, /*lease_ms=*/200);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->destination().block_ids_size(), 4);  // the prompt's blocks
+  EXPECT_NEAR(static_cast<double>(r->lease_expires_unix_ms()),
+              static_cast<double>(absl::ToUnixMillis(t0 + absl::Milliseconds(200))), 150.0);
+  const v1::WorkerStats held = c.DecodeStats();
+  EXPECT_EQ(held.reservations(), 1);
+  EXPECT_EQ(held.kv_blocks_free(), at_rest.kv_blocks_free() - 5);  // 80 positions
+  ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+    return s.reservations() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
+  }));
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(190));
+  v1::DecodeRequest dr;
+  dr.set_request_id("late");
+  for (int i = 0; i < 50; ++i) dr.add_prompt_token_ids(5);
+  dr.add_block_checksums(1);
+  EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// Decode slowed to >= 5 ms per step, so a 200-token stream is still running when the client
+// acts, and "finished on its own" cannot pass for "cancelled".
+ClusterOptions SlowDecode(std::atomic<int>* steps) {
+  ClusterOptions co;
+  co.before_step = [steps] {
+    steps->fetch_add(1);
+    absl::SleepFor(absl::Milliseconds(5));
+  };
+  return co;
+}
+
+TEST_F(ServicesTest, ClientCancelMidStreamFreesTheBlocks) {
+  std::atomic<int> steps{0};
+  TestCluster c(model_, SlowDecode(&steps));
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  v1::DecodeRequest dr = Prefilled(c, "bored", TestPrompt(30, 4), Greedy(200));
+  grpc::ClientContext ctx;
+  auto reader = c.decode_stub->Decode(&ctx, dr);
+  v1::GenerateResponse msg;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  EXPECT_FALSE(msg.finished());
+  EXPECT_EQ(c.DecodeStats().running(), 1);
+  ctx.TryCancel();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+    return s.running() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
+  }));
+  EXPECT_LT(steps.load(), 150) << "the sequence ran on after the client left";
+}
+
+TEST_F(ServicesTest, DeadlineMidStreamFreesTheBlocks) {
+  std::atomic<int> steps{0};
+  TestCluster c(model_, SlowDecode(&steps));
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  v1::DecodeRequest dr = Prefilled(c, "slow", TestPrompt(30, 5), Greedy(200));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(150));
+  auto reader = c.decode_stub->Decode(&ctx, dr);
+  v1::GenerateResponse msg;
+  int n = 0;
+  while (reader->Read(&msg)) ++n;
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(n, 200);
+  ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+    return s.running() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
+  }));
+}
+
+TEST_F(ServicesTest, CancelRpcEndsTheStreamAsCancelled) {
+  std::atomic<int> steps{0};
+  TestCluster c(model_, SlowDecode(&steps));
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  v1::DecodeRequest dr = Prefilled(c, "stopme", TestPrompt(30, 6), Greedy(200));
+  grpc::ClientContext ctx;
+  auto reader = c.decode_stub->Decode(&ctx, dr);
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  {
+    grpc::ClientContext cctx;
+    v1::CancelRequest creq;
+    creq.set_request_id("stopme");
+    v1::CancelResponse cresp;
+    ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+    EXPECT_TRUE(cresp.found());
+  }
+  int n = 1;
+  bool finished = false;
+  while (reader->Read(&msg)) {
+    ++n;
+    if (msg.finished()) {
+      finished = true;
+      EXPECT_EQ(msg.finish_reason(), v1::FINISH_REASON_CANCELLED);
+    }
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(finished);
+  EXPECT_LT(n, 150);
+  const v1::WorkerStats s = c.DecodeStats();
+  EXPECT_EQ(s.running(), 0);
+  EXPECT_EQ(s.kv_blocks_free(), at_rest.kv_blocks_free());
+  // Cancelling a reservation frees it too; an unknown id is reported as such.
+  ASSERT_TRUE(c.Reserve("unused", 10, 10).ok());
+  grpc::ClientContext cctx;
+  v1::CancelRequest creq;
+  creq.set_request_id("unused");
+  v1::CancelResponse cresp;
+  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+  EXPECT_TRUE(cresp.found());
+  EXPECT_EQ(c.DecodeStats().reservations(), 0);
+  grpc::ClientContext cctx2;
+  creq.set_request_id("nobody");
+  ASSERT_TRUE(c.decode_stub->Cancel(&cctx2, creq, &cresp).ok());
+  EXPECT_FALSE(cresp.found());
+}
+
+TEST_F(ServicesTest, ColocatedRequestMatchesOneProcessScheduler) {
+  TestCluster c(model_);
+  for (int len : {3, 40, 130}) {
+    const auto prompt = TestPrompt(len, 9);
+    const engine::SamplingParams sp = Seeded(12, len);
+    v1::DecodeRequest dr;
+    dr.set_request_id("local-" + std::to_string(len));
+    for (int32_t t : prompt) dr.add_prompt_token_ids(t);
+    *dr.mutable_sampling() = services::SamplingToProto(sp);
+    dr.set_prefill_locally(true);
+    const Generated g = c.Decode(dr);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    const Generated ref = ReferenceRun(model_, kernels::DType::kF32, prompt, sp);
+    EXPECT_EQ(g.tokens, ref.tokens);
+    EXPECT_EQ(g.text, ref.text);
+    EXPECT_EQ(g.reason, v1::FINISH_REASON_LENGTH);
+  }
+  ExpectPoolsAtRest(c);
+}
+
+TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
+  TestCluster c(model_);
+  const auto prompt = TestPrompt(40, 1);
+  absl::StatusOr<v1::ReserveResponse> r = c.Reserve("x", 40, 8);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(c.Reserve("x", 40, 8).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(c.Reserve("huge", 200, 100).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.Reserve("zero", 0, 8).status().code(), absl::StatusCode::kInvalidArgument);
+
+  v1::PrefillRequest pr;
+  pr.set_request_id("x");
+  for (int32_t t : prompt) pr.add_prompt_token_ids(t);
+  *pr.mutable_destination() = r->destination();
+  v1::PrefillResponse presp;
+  {
+    v1::PrefillRequest bad = pr;
+    bad.mutable_destination()->set_head_dim(r->destination().head_dim() * 2);
+    grpc::Status st = c.Prefill(bad, &presp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_NE(st.error_message().find("head_dim"), std::string::npos);
+  }
+  {
+    v1::PrefillRequest bad = pr;
+    bad.mutable_destination()->mutable_block_ids()->RemoveLast();
+    EXPECT_EQ(c.Prefill(bad, &presp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    v1::PrefillRequest bad = pr;
+    bad.mutable_destination()->set_region("not a descriptor");
+    EXPECT_EQ(c.Prefill(bad, &presp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    v1::PrefillRequest bad = pr;
+    bad.mutable_destination()->set_block_ids(0, 1 << 20);  // outside the region
+    EXPECT_EQ(c.Prefill(bad, &presp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    v1::PrefillRequest bad = pr;
+    bad.mutable_sampling()->set_top_p(2.0f);
+    grpc::Status st = c.Prefill(bad, &presp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("top_p"), std::string::npos) << st.error_message();
+  }
+  {
+    v1::PrefillRequest bad = pr;
+    bad.set_prompt_token_ids(3, 1 << 20);
+    EXPECT_EQ(c.Prefill(bad, &presp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // Nothing was written; the reservation still stands. Decode with a wrong number of
+  // checksums is refused and frees it.
+  EXPECT_EQ(c.DecodeStats().reservations(), 1);
+  v1::DecodeRequest dr;
+  dr.set_request_id("x");
+  *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
+  dr.add_block_checksums(0);
+  EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 0u);
+
+  // A full pool answers RESOURCE_EXHAUSTED, and frees up again.
+  const int total = c.DecodeStats().kv_blocks_total();
+  int held = 0;
+  absl::Status last;
+  for (int i = 0; i < total; ++i) {
+    last = c.Reserve("fill-" + std::to_string(i), 100, 60).status();  // 10 blocks each
+    if (!last.ok()) break;
+    ++held;
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_EQ(held, total / 10);
+  for (int i = 0; i < held; ++i) {
+    grpc::ClientContext cctx;
+    v1::CancelRequest creq;
+    creq.set_request_id("fill-" + std::to_string(i));
+    v1::CancelResponse cresp;
+    ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+  }
+  ExpectPoolsAtRest(c);
+}
+
+TEST_F(ServicesTest, PrefillToAVanishedDecodeWorkerIsUnavailable) {
+  TestCluster c(model_);
+  // A destination whose transport endpoint is gone, as when a decode worker dies after Reserve.
+  absl::StatusOr<v1::ReserveResponse> r = c.Reserve("orphan", 40, 8);
+  ASSERT_TRUE(r.ok());
+  v1::KvDestination dst = r->destination();
+  {
+    std::vector<uint8_t> mem(1 << 20);
+    auto ghost = transfer::CreateInProcessTransport("ghost");
+    auto region = ghost->RegisterRegion(mem.data(), mem.size());
+    ASSERT_TRUE(region.ok());
+    transfer::RegionDescriptor d = *region;
+    d.length = 1ull << 40;  // large enough for any offset: the failure must come from the peer
+    dst.set_region(d.Serialize());
+  }
+  v1::PrefillRequest pr;
+  pr.set_request_id("orphan");
+  for (int32_t t : TestPrompt(40, 2)) pr.add_prompt_token_ids(t);
+  *pr.mutable_destination() = dst;
+  v1::PrefillResponse presp;
+  grpc::Status st = c.Prefill(pr, &presp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  const v1::WorkerStats p = c.PrefillStats();
+  EXPECT_EQ(p.kv_blocks_free(), p.kv_blocks_total());
+  EXPECT_EQ(p.running(), 0);
+}
+
+TEST_F(ServicesTest, CancelAbortsRunningAndQueuedPrefills) {
+  // The prefill engine stops before its first step until the test lets it go.
+  absl::Notification entered, release;
+  std::atomic<bool> first{true};
+  ClusterOptions co;
+  co.prefill_before_step = [&] {
+    if (first.exchange(false)) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+  };
+  TestCluster c(model_, co);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  auto start = [&](const std::string& id, grpc::Status* st) {
+    absl::StatusOr<v1::ReserveResponse> r = c.Reserve(id, 60, 8);
+    EXPECT_TRUE(r.ok());
+    v1::PrefillRequest pr;
+    pr.set_request_id(id);
+    for (int32_t t : TestPrompt(60, 8)) pr.add_prompt_token_ids(t);
+    *pr.mutable_destination() = r->destination();
+    return std::thread([&c, pr, st] {
+      v1::PrefillResponse resp;
+      *st = c.Prefill(pr, &resp);
+    });
+  };
+  grpc::Status running_st, queued_st;
+  std::thread running = start("running", &running_st);
+  entered.WaitForNotification();
+  // The second arrives while the engine is held: it waits in the queue, or joins the next step.
+  std::thread queued = start("queued", &queued_st);
+  for (const char* id : {"running", "queued"}) {
+    // The queued call may still be on its way to the server: retry (explicit timeout).
+    bool found = false;
+    for (const absl::Time end = absl::Now() + absl::Seconds(10); !found && absl::Now() < end;) {
+      grpc::ClientContext ctx;
+      v1::CancelRequest creq;
+      creq.set_request_id(id);
+      v1::CancelResponse cresp;
+      ASSERT_TRUE(c.prefill_stub->Cancel(&ctx, creq, &cresp).ok());
+      found = cresp.found();
+      if (!found) absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_TRUE(found) << id;
+  }
+  release.Notify();
+  running.join();
+  queued.join();
+  EXPECT_EQ(running_st.error_code(), grpc::StatusCode::CANCELLED) << running_st.error_message();
+  EXPECT_EQ(queued_st.error_code(), grpc::StatusCode::CANCELLED) << queued_st.error_message();
+  const v1::WorkerStats p = c.PrefillStats();
+  EXPECT_EQ(p.kv_blocks_free(), p.kv_blocks_total());
+  EXPECT_EQ(p.running() + p.waiting(), 0);
+  // Unknown ids are reported as such; the decode side's reservations are the router's to free.
+  grpc::ClientContext ctx;
+  v1::CancelRequest creq;
+  creq.set_request_id("running");
+  v1::CancelResponse cresp;
+  ASSERT_TRUE(c.prefill_stub->Cancel(&ctx, creq, &cresp).ok());
+  EXPECT_FALSE(cresp.found());
+  EXPECT_EQ(c.DecodeStats().reservations(), 2);
+  EXPECT_LT(c.DecodeStats().kv_blocks_free(), at_rest.kv_blocks_free());
+}
+
+TEST_F(ServicesTest, DestroyingWorkersEndsTheirInFlightWork) {
+  auto transport = transfer::CreateInProcessTransport("shutdown");
+  {
+    decode::DecodeWorkerOptions d;
+    d.model = model_;
+    d.engine = TestEngineOptions(64, kernels::DType::kF32);
+    d.before_step = [] { absl::SleepFor(absl::Milliseconds(5)); };
+    auto w = std::move(*decode::DecodeWorker::Create(d));
+    v1::DecodeRequest dr;
+    dr.set_request_id("long");
+    for (int32_t t : TestPrompt(10, 1)) dr.add_prompt_token_ids(t);
+    *dr.mutable_sampling() = services::SamplingToProto(Greedy(200));
+    dr.set_prefill_locally(true);
+    absl::StatusOr<std::shared_ptr<decode::TokenStream>> stream = w->StartDecode(dr);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    engine::TokenEvent ev;
+    ASSERT_TRUE((*stream)->Next(absl::Now() + absl::Seconds(10), &ev));
+    w.reset();
+    int n = 1;
+    while ((*stream)->Next(absl::Now() + absl::Seconds(10), &ev) && !ev.finished) ++n;
+    EXPECT_TRUE(ev.finished);
+    EXPECT_EQ(ev.status.code(), absl::StatusCode::kCancelled);
+    EXPECT_LT(n, 150);
+  }
+  {
+    absl::Notification entered, release;
+    prefill::PrefillWorkerOptions p;
+    p.model = model_;
+    p.engine = TestEngineOptions(24, kernels::DType::kF32);
+    p.transport = transport.get();
+    p.before_step = [&] {
+      entered.Notify();
+      release.WaitForNotification();
+    };
+    auto w = std::move(*prefill::PrefillWorker::Create(p));
+    // A destination in this process: a registered buffer shaped like a 64-block pool.
+    auto sink = transfer::CreateInProcessTransport("sink");
+    engine::KvCacheOptions ko;
+    ko.num_layers = model_->config().n_layer;
+    ko.num_kv_heads = model_->config().n_head_kv;
+    ko.head_dim = model_->config().head_dim;
+    ko.num_blocks = 64;
+    auto kv = std::move(*engine::KvCache::Create(ko));
+    auto region = sink->RegisterRegion(kv->memory().data(), kv->memory().size());
+    ASSERT_TRUE(region.ok());
+    v1::PrefillRequest pr;
+    pr.set_request_id("pending");
+    for (int32_t t : TestPrompt(40, 2)) pr.add_prompt_token_ids(t);
+    services::FillKvLayout(*kv, pr.mutable_destination());
+    pr.mutable_destination()->set_region(region->Serialize());
+    for (int b = 0; b < 3; ++b) pr.mutable_destination()->add_block_ids(b);
+    absl::StatusOr<v1::PrefillResponse> result;
+    std::thread caller([&] { result = w->Prefill(pr, absl::Now() + absl::Seconds(30)); });
+    entered.WaitForNotification();
+    std::thread destroyer([&] { w.reset(); });
+    absl::SleepFor(absl::Milliseconds(20));
+    release.Notify();
+    destroyer.join();
+    caller.join();
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kUnavailable) << result.status();
+  }
+}
+
+// Raw bytes over a generic gRPC call: the test needs no generated health/reflection stubs.
+std::string CallUnaryRaw(grpc::Channel* ch, const char* method, const std::string& request,
+                         grpc::Status* status) {
+  grpc::Slice slice(request.data(), request.size());
+  grpc::ByteBuffer req(&slice, 1), resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  *status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      ch, grpc::internal::RpcMethod(method, grpc::internal::RpcMethod::NORMAL_RPC), &ctx, req,
+      &resp);
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (status->ok() && resp.Dump(&slices).ok()) {
+    for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return out;
+}
+
+std::string ListServicesByReflection(grpc::Channel* ch) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          ch,
+          grpc::internal::RpcMethod(
+              "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+              grpc::internal::RpcMethod::BIDI_STREAMING),
+          &ctx));
+  const std::string list_services("\x3a\x00", 2);  // field 7 (list_services), empty string
+  grpc::Slice slice(list_services.data(), list_services.size());
+  grpc::ByteBuffer req(&slice, 1), resp;
+  EXPECT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  std::string out;
+  while (stream->Read(&resp)) {
+    std::vector<grpc::Slice> slices;
+    if (resp.Dump(&slices).ok()) {
+      for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  return out;
+}
+
+TEST_F(ServicesTest, StatsHealthAndReflectionRespond) {
+  TestCluster c(model_);
+  const v1::WorkerStats d = c.DecodeStats();
+  EXPECT_EQ(d.kv_blocks_total(), c.decode->kv_blocks_total());
+  EXPECT_EQ(d.kv_blocks_total(), 4 * 256 / 16);
+  EXPECT_EQ(d.kv_blocks_free(), d.kv_blocks_total());
+  const v1::WorkerStats p = c.PrefillStats();
+  EXPECT_EQ(p.kv_blocks_total(), c.prefill->kv_blocks_total());
+
+  for (grpc::Channel* ch : {c.decode_channel.get(), c.prefill_channel.get()}) {
+    grpc::Status st;
+    // HealthCheckRequest{service: ""} is empty; the answer is {status: SERVING (1)}.
+    const std::string health = CallUnaryRaw(ch, "/grpc.health.v1.Health/Check", "", &st);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(health, std::string("\x08\x01", 2));
+  }
+  const std::string dlist = ListServicesByReflection(c.decode_channel.get());
+  EXPECT_NE(dlist.find("tandem.v1.DecodeWorker"), std::string::npos);
+  EXPECT_NE(dlist.find("grpc.health.v1.Health"), std::string::npos);
+  const std::string plist = ListServicesByReflection(c.prefill_channel.get());
+  EXPECT_NE(plist.find("tandem.v1.PrefillWorker"), std::string::npos);
+
+  // After shutdown a server answers nothing (checked on a server of its own).
+  decode::DecodeService spare(c.decode.get());
+  services::GrpcServerOptions so;
+  so.services = {&spare};
+  auto extra = std::move(*services::GrpcServer::Start(so));
+  auto ch = grpc::CreateChannel(extra->address(), grpc::InsecureChannelCredentials());
+  grpc::Status st;
+  EXPECT_EQ(CallUnaryRaw(ch.get(), "/grpc.health.v1.Health/Check", "", &st),
+            std::string("\x08\x01", 2));
+  extra->Shutdown(absl::ZeroDuration());
+  CallUnaryRaw(ch.get(), "/grpc.health.v1.Health/Check", "", &st);
+  EXPECT_FALSE(st.ok());
+}
+
+}  // namespace
+}  // namespace tandem::testing

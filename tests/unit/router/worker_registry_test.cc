@@ -1,0 +1,262 @@
+// WorkerRegistry: registration checks, leases (expiry without a restart), draining,
+// deregistration and the selection policies, on a fake clock.
+#include "services/router/worker_registry.h"
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+
+namespace tandem::router {
+namespace {
+
+class FakeClock {
+ public:
+  absl::Time Now() const {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Time now_ ABSL_GUARDED_BY(mu_) = absl::FromUnixSeconds(1'000'000);
+};
+
+class RegistryTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<WorkerRegistry> Make(Policy policy = Policy::kLeastLoad) {
+    RegistryOptions o;
+    o.lease = absl::Seconds(3);
+    o.policy = policy;
+    o.model_names = {"stories260K", "/models/stories260K.gguf"};
+    o.clock = [this] { return clock_.Now(); };
+    return std::make_unique<WorkerRegistry>(o);
+  }
+  static v1::RegisterRequest Reg(const std::string& id, v1::WorkerRole role, int blocks = 100) {
+    v1::RegisterRequest r;
+    r.set_worker_id(id);
+    r.set_role(role);
+    r.set_address(id + ":1");
+    r.set_model("stories260K");
+    r.set_kv_blocks_total(blocks);
+    return r;
+  }
+  static v1::HeartbeatRequest Beat(const std::string& id, int free_blocks, int running = 0,
+                                   bool draining = false) {
+    v1::HeartbeatRequest h;
+    h.set_worker_id(id);
+    h.mutable_stats()->set_kv_blocks_free(free_blocks);
+    h.mutable_stats()->set_running(running);
+    h.set_draining(draining);
+    return h;
+  }
+  FakeClock clock_;
+};
+
+TEST_F(RegistryTest, RegisterRejectsIncompleteOrForeignWorkers) {
+  auto r = Make();
+  v1::RegisterRequest bad = Reg("", v1::WORKER_ROLE_DECODE);
+  EXPECT_EQ(r->Register(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = Reg("d0", v1::WORKER_ROLE_DECODE);
+  bad.clear_address();
+  EXPECT_EQ(r->Register(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = Reg("d0", v1::WORKER_ROLE_UNSPECIFIED);
+  absl::Status st = r->Register(bad);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("role"), absl::string_view::npos) << st;
+  bad = Reg("d0", v1::WORKER_ROLE_DECODE);
+  bad.set_model("/elsewhere/llama-7b.gguf");
+  EXPECT_EQ(r->Register(bad).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r->size(), 0u);
+  // The same model by path, and no model at all, are accepted.
+  v1::RegisterRequest ok = Reg("d0", v1::WORKER_ROLE_DECODE);
+  ok.set_model("/other/dir/stories260K.gguf");
+  EXPECT_TRUE(r->Register(ok).ok());
+  ok = Reg("d1", v1::WORKER_ROLE_DECODE);
+  ok.clear_model();
+  EXPECT_TRUE(r->Register(ok).ok());
+  EXPECT_EQ(r->size(), 2u);
+}
+
+TEST_F(RegistryTest, LeaseExpiryRemovesWorkerAndHeartbeatsRenewIt) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  ASSERT_TRUE(r->Register(Reg("d1", v1::WORKER_ROLE_DECODE)).ok());
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_TRUE(r->Heartbeat(Beat("d0", 100)));  // d0 renewed until t=5, d1 expires at t=3
+  clock_.Advance(absl::Milliseconds(1500));    // t = 3.5
+  // d1 is invisible to Pick at once, even before a sweep.
+  absl::flat_hash_set<std::string> none;
+  for (int i = 0; i < 3; ++i) {
+    Assignment a = r->Pick(Pool::kDecode, 1, none);
+    ASSERT_TRUE(a);
+    EXPECT_EQ(a.worker_id(), "d0");
+  }
+  EXPECT_EQ(r->ExpireLeases(), std::vector<std::string>{"d1"});
+  EXPECT_EQ(r->size(), 1u);
+  // A late heartbeat is refused: the worker must register again.
+  EXPECT_FALSE(r->Heartbeat(Beat("d1", 100)));
+  clock_.Advance(absl::Seconds(2));  // t = 5.5: d0's lease is gone too
+  EXPECT_FALSE(r->Pick(Pool::kDecode, 1));
+  EXPECT_EQ(r->Plan(), PlanKind::kNone);
+  EXPECT_FALSE(r->Heartbeat(Beat("d0", 100)));
+  EXPECT_EQ(r->size(), 0u);
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  EXPECT_TRUE(r->Pick(Pool::kDecode, 1));
+}
+
+TEST_F(RegistryTest, DrainingWorkerGetsNoNewWorkButKeepsItsCount) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE, 1000)).ok());
+  ASSERT_TRUE(r->Register(Reg("d1", v1::WORKER_ROLE_DECODE, 10)).ok());
+  Assignment held = r->Pick(Pool::kDecode, 1);
+  ASSERT_EQ(held.worker_id(), "d0");  // most free blocks
+  ASSERT_TRUE(r->Heartbeat(Beat("d0", 999, 1, /*draining=*/true)));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r->Pick(Pool::kDecode, 1).worker_id(), "d1");
+  // A later heartbeat without the flag does not undo draining.
+  ASSERT_TRUE(r->Heartbeat(Beat("d0", 999, 1, false)));
+  EXPECT_EQ(r->Pick(Pool::kDecode, 1).worker_id(), "d1");
+  std::vector<v1::WorkerInfo> list = r->List();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_TRUE(list[0].draining());
+  EXPECT_EQ(list[0].router_inflight(), 1);
+  held.Release();
+  EXPECT_EQ(r->List()[0].router_inflight(), 0);
+  // The only worker draining: nobody can serve.
+  ASSERT_TRUE(r->Deregister("d1"));
+  EXPECT_FALSE(r->Deregister("d1"));
+  EXPECT_FALSE(r->Pick(Pool::kDecode, 1));
+  EXPECT_EQ(r->Plan(), PlanKind::kNone);
+}
+
+TEST_F(RegistryTest, PlanPrefersDisaggregatedAndFallsBackToColocated) {
+  auto r = Make();
+  EXPECT_EQ(r->Plan(), PlanKind::kNone);
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  EXPECT_EQ(r->Plan(), PlanKind::kNone);  // decode alone cannot prefill
+  ASSERT_TRUE(r->Register(Reg("c0", v1::WORKER_ROLE_BOTH)).ok());
+  EXPECT_EQ(r->Plan(), PlanKind::kColocated);
+  ASSERT_TRUE(r->Register(Reg("p0", v1::WORKER_ROLE_PREFILL)).ok());
+  EXPECT_EQ(r->Plan(), PlanKind::kDisaggregated);
+  // Pools hold their exact role only.
+  EXPECT_EQ(r->Pick(Pool::kPrefill, 0).worker_id(), "p0");
+  EXPECT_EQ(r->Pick(Pool::kColocated, 1).worker_id(), "c0");
+  ASSERT_TRUE(r->Heartbeat(Beat("p0", 0, 0, /*draining=*/true)));
+  EXPECT_EQ(r->Plan(), PlanKind::kColocated);
+}
+
+TEST_F(RegistryTest, LeastLoadDecodeFollowsFreeBlocksIncludingUnreportedPicks) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE, 100)).ok());
+  ASSERT_TRUE(r->Register(Reg("d1", v1::WORKER_ROLE_DECODE, 100)).ok());
+  ASSERT_TRUE(r->Heartbeat(Beat("d0", 100)));
+  ASSERT_TRUE(r->Heartbeat(Beat("d1", 70)));
+  Assignment a = r->Pick(Pool::kDecode, 40);
+  EXPECT_EQ(a.worker_id(), "d0");  // 100 free vs 70
+  Assignment b = r->Pick(Pool::kDecode, 40);
+  EXPECT_EQ(b.worker_id(), "d1");  // d0 is now estimated at 60 free
+  Assignment c = r->Pick(Pool::kDecode, 10);
+  EXPECT_EQ(c.worker_id(), "d0");  // 60 vs 30
+  // A heartbeat replaces the estimate with the worker's report.
+  ASSERT_TRUE(r->Heartbeat(Beat("d1", 95)));
+  EXPECT_EQ(r->Pick(Pool::kDecode, 1).worker_id(), "d1");
+}
+
+TEST_F(RegistryTest, LeastLoadTiesGoToFewestInFlightThenRotate) {
+  auto r = Make();
+  for (const char* id : {"d0", "d1", "d2"}) {
+    ASSERT_TRUE(r->Register(Reg(id, v1::WORKER_ROLE_DECODE, 100)).ok());
+  }
+  // Zero-block picks leave the free estimate equal, so in-flight counts decide.
+  std::vector<Assignment> held;
+  for (int i = 0; i < 3; ++i) held.push_back(r->Pick(Pool::kDecode, 0));
+  EXPECT_EQ(held[0].worker_id(), "d0");
+  EXPECT_EQ(held[1].worker_id(), "d1");
+  EXPECT_EQ(held[2].worker_id(), "d2");
+  held[1].Release();
+  EXPECT_EQ(r->Pick(Pool::kDecode, 0).worker_id(), "d1");  // the one with nothing in flight
+  held.clear();
+  // All idle: the least recently picked goes first.
+  EXPECT_EQ(r->Pick(Pool::kDecode, 0).worker_id(), "d0");
+}
+
+TEST_F(RegistryTest, LeastLoadPrefillCountsInFlightThenReportedQueue) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("p0", v1::WORKER_ROLE_PREFILL)).ok());
+  ASSERT_TRUE(r->Register(Reg("p1", v1::WORKER_ROLE_PREFILL)).ok());
+  v1::HeartbeatRequest busy = Beat("p0", 0, /*running=*/3);
+  busy.mutable_stats()->set_waiting(2);
+  ASSERT_TRUE(r->Heartbeat(busy));
+  Assignment a = r->Pick(Pool::kPrefill, 0);
+  EXPECT_EQ(a.worker_id(), "p1");  // p0 reports 5 queued
+  Assignment b = r->Pick(Pool::kPrefill, 0);
+  EXPECT_EQ(b.worker_id(), "p0");  // p1 has one in flight from this router
+  absl::flat_hash_set<std::string> exclude = {"p0"};
+  EXPECT_EQ(r->Pick(Pool::kPrefill, 0, exclude).worker_id(), "p1");
+  exclude.insert("p1");
+  EXPECT_FALSE(r->Pick(Pool::kPrefill, 0, exclude));
+}
+
+TEST_F(RegistryTest, RoundRobinRotatesWhateverTheLoad) {
+  auto r = Make(Policy::kRoundRobin);
+  for (const char* id : {"p0", "p1", "p2"}) {
+    ASSERT_TRUE(r->Register(Reg(id, v1::WORKER_ROLE_PREFILL)).ok());
+  }
+  v1::HeartbeatRequest busy = Beat("p1", 0, 50);
+  ASSERT_TRUE(r->Heartbeat(busy));
+  std::vector<std::string> order;
+  std::vector<Assignment> held;
+  for (int i = 0; i < 7; ++i) {
+    held.push_back(r->Pick(Pool::kPrefill, 0));
+    order.push_back(held.back().worker_id());
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"p0", "p1", "p2", "p0", "p1", "p2", "p0"}));
+}
+
+TEST_F(RegistryTest, ReRegistrationStartsFreshCounts) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  Assignment old = r->Pick(Pool::kDecode, 1);
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());  // restarted
+  Assignment fresh = r->Pick(Pool::kDecode, 1);
+  old.Release();  // counts against the old registration: must not touch the new one
+  EXPECT_EQ(r->List()[0].router_inflight(), 1);
+  fresh.Release();
+  EXPECT_EQ(r->List()[0].router_inflight(), 0);
+}
+
+TEST_F(RegistryTest, ConcurrentPicksAndReleasesBalanceOut) {
+  auto r = Make();
+  for (const char* id : {"d0", "d1", "d2", "d3"}) {
+    ASSERT_TRUE(r->Register(Reg(id, v1::WORKER_ROLE_DECODE, 1000)).ok());
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> picked{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 500; ++i) {
+        Assignment a = r->Pick(Pool::kDecode, 0);
+        if (a) picked++;
+        if (i % 50 == 0) r->Heartbeat(Beat(a.worker_id(), 1000));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(picked.load(), 2000);
+  uint64_t routed = 0;
+  for (const v1::WorkerInfo& w : r->List()) {
+    EXPECT_EQ(w.router_inflight(), 0) << w.worker_id();
+    routed += w.requests_routed();
+    EXPECT_GT(w.requests_routed(), 100u) << "selection should spread the load";
+  }
+  EXPECT_EQ(routed, 2000u);
+}
+
+}  // namespace
+}  // namespace tandem::router

@@ -1,0 +1,138 @@
+// KV handoff facts: block checksums cover exactly the prompt slots of every layer's K and V in
+// layer order (checked against bytes written through KvCache::Write, not through the layout
+// formula under test), and a destination of another shape is refused by name.
+#include "services/common/kv_layout.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace tandem::services {
+namespace {
+
+engine::KvCacheOptions Shape(kernels::DType type = kernels::DType::kF32) {
+  engine::KvCacheOptions o;
+  o.num_layers = 3;
+  o.num_kv_heads = 2;
+  o.head_dim = 8;
+  o.block_size = 4;
+  o.num_blocks = 5;
+  o.type = type;
+  return o;
+}
+
+std::unique_ptr<engine::KvCache> PoisonedCache(const engine::KvCacheOptions& o, uint32_t seed) {
+  auto kv = std::move(*engine::KvCache::Create(o));
+  std::mt19937 rng(seed);
+  for (uint8_t& b : kv->memory()) b = static_cast<uint8_t>(rng());
+  return kv;
+}
+
+TEST(KvLayoutTest, ChecksumIsXxh3OverPromptSlotsOfKThenVPerLayer) {
+  const engine::KvCacheOptions o = Shape();
+  auto kv = PoisonedCache(o, 1);
+  const int32_t block = 3, filled = 3;
+  const int64_t slot = int64_t{o.num_kv_heads} * o.head_dim;
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  std::string expect_bytes;
+  const int32_t table[] = {block};
+  for (int32_t l = 0; l < o.num_layers; ++l) {
+    std::vector<float> k(filled * slot), v(filled * slot);
+    for (float& x : k) x = u(rng);
+    for (float& x : v) x = u(rng);
+    for (int32_t p = 0; p < filled; ++p) {
+      kv->Write(l, table, p, k.data() + p * slot, v.data() + p * slot);
+    }
+    expect_bytes.append(reinterpret_cast<const char*>(k.data()), k.size() * sizeof(float));
+    expect_bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  }
+  const uint64_t sum = BlockChecksum(*kv, block, filled);
+  EXPECT_EQ(sum, XXH3_64bits(expect_bytes.data(), expect_bytes.size()));
+
+  const size_t slot_bytes = slot * sizeof(float);
+  // Bytes past the filled slots, and other blocks, are not part of the block's checksum.
+  kv->k_layer(0)[block * kv->block_bytes() + filled * slot_bytes] ^= 0x40;
+  kv->v_layer(2)[(block - 1) * kv->block_bytes()] ^= 0x40;
+  kv->k_layer(1)[(block + 1) * kv->block_bytes()] ^= 0x40;
+  EXPECT_EQ(BlockChecksum(*kv, block, filled), sum);
+  // Any byte of the filled slots, K or V, first or last layer, is.
+  for (uint8_t* p : {kv->k_layer(0) + block * kv->block_bytes(),
+                     kv->v_layer(2) + block * kv->block_bytes() + filled * slot_bytes - 1,
+                     kv->v_layer(0) + block * kv->block_bytes() + slot_bytes + 5}) {
+    *p ^= 0x01;
+    EXPECT_NE(BlockChecksum(*kv, block, filled), sum);
+    *p ^= 0x01;
+  }
+  EXPECT_EQ(BlockChecksum(*kv, block, filled), sum);
+}
+
+TEST(KvLayoutTest, SequenceChecksumsFollowTheBlockTable) {
+  for (kernels::DType t : {kernels::DType::kF32, kernels::DType::kF16}) {
+    auto kv = PoisonedCache(Shape(t), 3);
+    const std::vector<int32_t> table = {4, 1, 0};
+    const std::vector<uint64_t> sums = SequenceChecksums(*kv, table, 6);
+    ASSERT_EQ(sums.size(), 2u);
+    EXPECT_EQ(sums[0], BlockChecksum(*kv, 4, 4));
+    EXPECT_EQ(sums[1], BlockChecksum(*kv, 1, 2));
+    EXPECT_NE(sums[0], sums[1]);
+    EXPECT_EQ(SequenceChecksums(*kv, table, 8).size(), 2u);
+    EXPECT_EQ(SequenceChecksums(*kv, table, 9).size(), 3u);
+  }
+  EXPECT_EQ(BlocksFor(0, 16), 0);
+  EXPECT_EQ(BlocksFor(1, 16), 1);
+  EXPECT_EQ(BlocksFor(16, 16), 1);
+  EXPECT_EQ(BlocksFor(17, 16), 2);
+}
+
+TEST(KvLayoutTest, LayoutDescribesThePool) {
+  auto kv = PoisonedCache(Shape(kernels::DType::kF16), 4);
+  v1::KvDestination d;
+  FillKvLayout(*kv, &d);
+  EXPECT_EQ(d.kv_dtype(), "f16");
+  EXPECT_EQ(d.block_bytes(), 4u * 2 * 8 * 2);
+  // Offsets computed from the published strides land where the cache keeps its data.
+  const uint8_t* base = kv->memory().data();
+  EXPECT_EQ(kv->k_layer(2) - base, static_cast<ptrdiff_t>(2 * d.layer_stride()));
+  EXPECT_EQ(kv->v_layer(2) - base, static_cast<ptrdiff_t>(2 * d.layer_stride() + d.kv_stride()));
+  EXPECT_EQ(kv->memory().size(), d.num_layers() * d.layer_stride());
+  EXPECT_TRUE(CheckSameKvShape(d, *kv).ok());
+}
+
+TEST(KvLayoutTest, AnotherShapeIsRefusedByName) {
+  auto kv = PoisonedCache(Shape(), 5);
+  v1::KvDestination good;
+  FillKvLayout(*kv, &good);
+  // A pool with more blocks has longer strides but the same shape: fine.
+  v1::KvDestination bigger = good;
+  bigger.set_kv_stride(good.kv_stride() * 4);
+  bigger.set_layer_stride(good.layer_stride() * 4);
+  EXPECT_TRUE(CheckSameKvShape(bigger, *kv).ok());
+
+  struct Case {
+    const char* field;
+    std::function<void(v1::KvDestination&)> change;
+  };
+  const std::vector<Case> cases = {
+      {"block_size", [](v1::KvDestination& d) { d.set_block_size(8); }},
+      {"num_layers", [](v1::KvDestination& d) { d.set_num_layers(4); }},
+      {"num_kv_heads", [](v1::KvDestination& d) { d.set_num_kv_heads(4); }},
+      {"head_dim", [](v1::KvDestination& d) { d.set_head_dim(16); }},
+      {"kv_dtype", [](v1::KvDestination& d) { d.set_kv_dtype("f16"); }},
+      {"block_bytes", [](v1::KvDestination& d) { d.set_block_bytes(d.block_bytes() + 4); }},
+      {"strides", [](v1::KvDestination& d) { d.set_layer_stride(d.kv_stride()); }},
+  };
+  for (const Case& c : cases) {
+    v1::KvDestination d = good;
+    c.change(d);
+    const absl::Status st = CheckSameKvShape(d, *kv);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << c.field;
+    EXPECT_NE(st.message().find(c.field), std::string::npos) << st;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::services

@@ -1,0 +1,74 @@
+// `tandem cluster up|down|status|add|remove`: a local cluster of real processes on loopback.
+//
+// `up` starts tandem-router, then N tandem-prefill, M tandem-decode and K colocated
+// (tandem-decode --role both) workers, found next to the tandem binary. Each process logs to
+// RUN_DIR/<name>.log and has RUN_DIR/<name>.pid; RUN_DIR/cluster.json describes the cluster
+// (model, router address, every process with its pid, port, CPUs and command line, and the
+// settings `add` reuses). Workers listen on port 0 and report their port through
+// RUN_DIR/<name>.port. `up` returns once the router answers grpc.health.v1 SERVING and every
+// worker has registered with it (polled through Registry.ListWorkers); on failure or timeout it
+// stops everything it started and names the logs, quoting the end of the guilty one.
+// With pinning, each process is bound (sched_setaffinity before exec) to CPUs handed out
+// round-robin from this process's allowed set: 1 for the router, `threads` per worker.
+//
+// `down` sends SIGTERM to the workers (they deregister, then drain), then to the router, waits
+// up to a grace period, SIGKILLs what is left and removes the pid and port files. A pid is only
+// signalled while /proc shows it running the binary recorded for it, so a recycled pid is never
+// hit. `add` starts one more worker with the cluster's settings and waits for its
+// registration; `remove` stops one worker the same way `down` does.
+//
+// Threading: single-threaded command-line code. Errors: absl::Status with messages naming the
+// file, process or log to look at.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tandem::tools {
+
+struct ClusterUpOptions {
+  std::string model;
+  int prefill = 1;
+  int decode = 1;
+  int colocated = 0;
+  std::string dir;
+  int router_port = 0;  // 0: a free port
+  int http_port = 0;    // handed to the router (reserved for its HTTP front end)
+  int threads = 1;      // compute threads per worker
+  bool pin = false;
+  std::string transport = "ucx";  // KV transport of prefill and decode workers: ucx, inproc
+  std::string ucx_tls = "shm";
+  std::string policy = "least-load";
+  int lease_ms = 0;                      // router's worker lease; 0: its default
+  int ctx_size = 0;                      // 0: the engine's default, for router and workers alike
+  int kv_blocks = 0;                     // decode KV pool; 0: the worker's default
+  int max_seqs = 0;                      // decode batch size; 0: the worker's default
+  std::vector<std::string> router_args;  // extra flags, passed verbatim
+  std::vector<std::string> worker_args;
+  std::string bin_dir;  // empty: the folder of the running tandem binary
+  absl::Duration ready_timeout = absl::Seconds(60);
+};
+
+absl::Status ClusterUp(const ClusterUpOptions& o);
+absl::Status ClusterDown(const std::string& dir, absl::Duration grace = absl::Seconds(15));
+absl::Status ClusterStatus(const std::string& dir, bool json);
+
+struct ClusterAddOptions {
+  std::string dir;
+  std::string role;  // prefill, decode or colocated
+  std::string name;  // empty: <role>-<next index>
+  absl::Duration ready_timeout = absl::Seconds(60);
+};
+absl::Status ClusterAdd(const ClusterAddOptions& o);
+absl::Status ClusterRemove(const std::string& dir, const std::string& name,
+                           absl::Duration grace = absl::Seconds(15));
+
+// grpc.health.v1.Health/Check of the whole server (service ""): true when SERVING. An
+// unreachable server is UNAVAILABLE (or DEADLINE_EXCEEDED).
+absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout);
+
+}  // namespace tandem::tools
