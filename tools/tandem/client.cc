@@ -122,6 +122,7 @@ absl::Status RunClient(const ClientOptions& o) {
   const grpc::Status gs = reader->Finish();
   const auto t_end = Clock::now();
   if (!o.json) std::printf("\n");
+  std::fflush(stdout);  // the summary on stderr belongs after the text
   if (!gs.ok()) {
     return absl::Status(static_cast<absl::StatusCode>(gs.error_code()),
                         absl::StrCat("router ", o.router, ": ", gs.error_message()));

@@ -109,6 +109,7 @@ absl::Status RunGenerate(const GenerateOptions& o) {
     std::printf("%s\n", out.c_str());
   } else {
     std::printf("\n");
+    std::fflush(stdout);  // the summary on stderr belongs after the text
     std::fprintf(stderr,
                  "[tandem] prompt %zu tokens, generated %zu tokens, ttft %.1f ms, "
                  "decode %.2f tok/s, finish %s\n",
