@@ -1,0 +1,435 @@
+// engine_bench: llama-bench's measurements for tandem's CPU engine, in one process that loads the
+// model once.
+//
+//   decode   batch-1 decode of --n-gen tokens (after an untimed --decode-prompt tokens; 0 starts
+//            at position 0 like `llama-bench -p 0 -n N`), one Engine::Step per token, the next
+//            token the argmax of the last logits.
+//   prefill  one Engine::Step over --n-prefill random tokens from position 0, logits of the last
+//            token only (like `llama-bench -p N -n 0`).
+//   batch    --n-seqs concurrent requests of --seq-prompt random tokens and --n-gen generated
+//            tokens each (greedy, ignore_eos) through engine::Scheduler: aggregate generated
+//            tokens per second from submission until the last request finishes, the measure the
+//            llama-server client of run.sh also reports.
+//   matmul   only the weight matmuls of one step (every layer's seven and the classifier) at
+//            batch --matmul-batch: the kernel ceiling that decode's other work eats into.
+//   kernel   one thread, no pool: the first --kernel-kib KiB of rows of layer 0's gate matrix
+//            (small enough to stay in L2) multiplied by --matmul-batch rows again and again: the
+//            matmul kernel's compute ceiling, to set against the DRAM roofline.
+//   pool     cost of one ThreadPool::ParallelFor hand-off with a trivial body (microseconds).
+//
+// Every mode first runs a small untimed case (it faults in the mapped weights and grows the
+// scratch buffers), then --reps timed repetitions; the JSON on stdout holds every repetition and the median. Not a test: it
+// measures, the comparison with llama.cpp lives in run.sh.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/util/status_util.h"
+#include "common/util/thread_pool.h"
+#include "engine/model/model.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/scheduler.h"
+#include "nlohmann/json.hpp"
+#include "tandem/kernels/matmul.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Options {
+  std::string model_path;
+  int32_t threads = 2;
+  std::vector<std::string> modes = {"decode", "prefill", "batch"};
+  int32_t reps = 3;
+  int32_t n_gen = 64;
+  int32_t decode_prompt = 0;
+  int32_t n_prefill = 512;
+  int32_t n_seqs = 32;
+  int32_t seq_prompt = 32;
+  int32_t matmul_batch = 1;
+  int32_t kernel_kib = 256;
+  int32_t batch_tokens = 512;
+  std::string kv_type = "f16";
+  uint64_t seed = 1;
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int32_t Argmax(const float* x, int32_t n) {
+  return static_cast<int32_t>(std::max_element(x, x + n) - x);
+}
+
+// Random ids away from the special tokens at both ends of the vocabulary.
+std::vector<int32_t> RandomTokens(std::mt19937_64& rng, int32_t n, int32_t vocab) {
+  const int32_t lo = std::min(vocab - 1, 1000);
+  const int32_t hi = std::max(lo, std::min(vocab - 1, 30000));
+  std::uniform_int_distribution<int32_t> dist(lo, hi);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = dist(rng);
+  return t;
+}
+
+int32_t BlocksFor(const engine::Engine& eng, int64_t positions) {
+  const int64_t bs = eng.options().block_size;
+  return static_cast<int32_t>((positions + bs - 1) / bs);
+}
+
+absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(
+    std::shared_ptr<const engine::Model> model, const Options& o, int32_t ctx, int32_t max_seqs) {
+  engine::EngineOptions eo;
+  eo.threads = o.threads;
+  eo.ctx_size = (ctx + 15) / 16 * 16;
+  eo.max_seqs = max_seqs;
+  eo.max_batch_tokens = std::max(o.batch_tokens, 1);
+  auto t = kernels::DTypeFromName(o.kv_type);
+  if (!t) return absl::InvalidArgumentError(absl::StrCat("unknown kv type ", o.kv_type));
+  eo.kv_type = *t;
+  return engine::Engine::Create(std::move(model), eo);
+}
+
+// Tokens per second of `n_gen` single-token steps.
+absl::StatusOr<double> DecodeOnce(engine::Engine& eng, const Options& o, int32_t n_gen,
+                                  std::mt19937_64& rng) {
+  const int32_t vocab = eng.model().config().n_vocab;
+  TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> blocks,
+                          eng.kv().pool().AllocateN(BlocksFor(eng, o.decode_prompt + n_gen)));
+  std::vector<float> logits;
+  int32_t next = RandomTokens(rng, 1, vocab)[0];
+  absl::Status st;
+  if (o.decode_prompt > 0) {
+    const std::vector<int32_t> prompt = RandomTokens(rng, o.decode_prompt, vocab);
+    engine::SeqChunk ch{prompt, 0, blocks, true};
+    st = eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits);
+    if (st.ok()) next = Argmax(logits.data(), vocab);
+  }
+  const auto t0 = Clock::now();
+  for (int32_t i = 0; i < n_gen && st.ok(); ++i) {
+    engine::SeqChunk ch{std::span<const int32_t>(&next, 1), o.decode_prompt + i, blocks, true};
+    st = eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits);
+    if (st.ok()) next = Argmax(logits.data(), vocab);
+  }
+  const double secs = SecondsSince(t0);
+  eng.kv().pool().UnrefAll(blocks);
+  TANDEM_RETURN_IF_ERROR(st);
+  return n_gen / secs;
+}
+
+absl::StatusOr<double> PrefillOnce(engine::Engine& eng, int32_t n, std::mt19937_64& rng) {
+  const std::vector<int32_t> prompt = RandomTokens(rng, n, eng.model().config().n_vocab);
+  TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> blocks, eng.kv().pool().AllocateN(BlocksFor(eng, n)));
+  std::vector<float> logits;
+  // Chunks of max_batch_tokens, as the scheduler would split a longer prompt.
+  const int32_t step = eng.options().max_batch_tokens;
+  absl::Status st;
+  const auto t0 = Clock::now();
+  for (int32_t p = 0; p < n && st.ok(); p += step) {
+    const int32_t len = std::min(step, n - p);
+    engine::SeqChunk ch{std::span<const int32_t>(prompt).subspan(p, len), p, blocks, p + len == n};
+    st = eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits);
+  }
+  const double secs = SecondsSince(t0);
+  eng.kv().pool().UnrefAll(blocks);
+  TANDEM_RETURN_IF_ERROR(st);
+  return n / secs;
+}
+
+struct BatchResult {
+  double tokens_per_s = 0;         // all generated tokens over the whole wall time
+  double decode_tokens_per_s = 0;  // tokens after the last first token, over that span
+  double wall_s = 0;
+  int64_t generated = 0;
+  int64_t steps = 0;
+};
+
+absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int32_t n_seqs,
+                                      int32_t n_gen, std::mt19937_64& rng) {
+  const int32_t vocab = eng.model().config().n_vocab;
+  engine::Scheduler sched(&eng);
+  int64_t generated = 0, generated_at_last_first = 0;
+  int32_t started = 0;
+  absl::Status failure;
+  Clock::time_point last_first{};
+  for (int32_t i = 0; i < n_seqs; ++i) {
+    engine::GenerationRequest req;
+    req.id = absl::StrCat("s", i);
+    req.prompt = RandomTokens(rng, o.seq_prompt, vocab);
+    req.sampling.temperature = 0;
+    req.sampling.max_tokens = n_gen;
+    req.sampling.ignore_eos = true;
+    bool first = true;
+    req.on_event = [&, first](const engine::TokenEvent& ev) mutable {
+      if (ev.token >= 0) {
+        ++generated;
+        if (first) {
+          first = false;
+          if (++started == n_seqs) {
+            last_first = Clock::now();
+            generated_at_last_first = generated;
+          }
+        }
+      }
+      if (ev.finished && !ev.status.ok() && failure.ok()) failure = ev.status;
+    };
+    TANDEM_RETURN_IF_ERROR(sched.Submit(std::move(req)));
+  }
+  const auto t0 = Clock::now();
+  TANDEM_RETURN_IF_ERROR(sched.RunUntilIdle());
+  BatchResult r;
+  r.wall_s = SecondsSince(t0);
+  TANDEM_RETURN_IF_ERROR(failure);
+  r.generated = generated;
+  r.steps = sched.stats().steps;
+  r.tokens_per_s = generated / r.wall_s;
+  const double decode_s = SecondsSince(last_first);
+  if (decode_s > 0) r.decode_tokens_per_s = (generated - generated_at_last_first) / decode_s;
+  return r;
+}
+
+// Every weight matmul of one step at batch `b`, through the same kernels::Matmul the engine calls.
+struct MatmulSweep {
+  std::vector<const engine::WeightView*> weights;
+  std::vector<float> in, out;
+  int32_t batch = 1;
+};
+
+MatmulSweep PrepareSweep(const engine::Model& m, int32_t batch) {
+  MatmulSweep s;
+  s.batch = batch;
+  int64_t max_cols = 0, max_rows = 0;
+  for (int32_t l = 0; l < m.config().n_layer; ++l) {
+    const engine::LayerWeights& w = m.layer(l);
+    for (const engine::WeightView* v : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down}) {
+      s.weights.push_back(v);
+    }
+  }
+  s.weights.push_back(&m.output());
+  for (const auto* v : s.weights) {
+    max_cols = std::max(max_cols, v->cols);
+    max_rows = std::max(max_rows, v->rows);
+  }
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  s.in.resize(max_cols * batch);
+  for (float& x : s.in) x = nd(rng);
+  s.out.resize(max_rows * batch);
+  return s;
+}
+
+double SweepOnce(MatmulSweep& s, util::ThreadPool& pool) {
+  const auto t0 = Clock::now();
+  for (const engine::WeightView* w : s.weights) {
+    kernels::MatmulParams p;
+    p.weight_type = w->type;
+    p.weight = w->data;
+    p.rows = w->rows;
+    p.cols = w->cols;
+    p.input = s.in.data();
+    p.batch = s.batch;
+    p.output = s.out.data();
+    kernels::Matmul(p, &pool);
+  }
+  return SecondsSince(t0);
+}
+
+struct KernelRate {
+  double weight_gb_per_s = 0;  // weight bytes consumed per second
+  double gmac_per_s = 0;       // multiply-adds per second (weights x batch)
+};
+
+KernelRate KernelOnce(const engine::WeightView& w, int64_t rows, MatmulSweep& s) {
+  kernels::MatmulParams p;
+  p.weight_type = w.type;
+  p.weight = w.data;
+  p.rows = rows;
+  p.cols = w.cols;
+  p.input = s.in.data();
+  p.batch = s.batch;
+  p.output = s.out.data();
+  const double bytes = static_cast<double>(kernels::RowBytes(w.type, w.cols)) * rows;
+  // About 0.2 s of work, whatever the type and batch.
+  int iters = 1;
+  for (auto t0 = Clock::now(); SecondsSince(t0) < 0.02; iters *= 2) {
+    for (int i = 0; i < iters; ++i) kernels::Matmul(p, nullptr);
+  }
+  iters *= 5;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) kernels::Matmul(p, nullptr);
+  const double secs = SecondsSince(t0);
+  KernelRate r;
+  r.weight_gb_per_s = bytes * iters / secs / 1e9;
+  r.gmac_per_s = static_cast<double>(rows) * w.cols * s.batch * iters / secs / 1e9;
+  return r;
+}
+
+double PoolOverheadUs(util::ThreadPool& pool) {
+  constexpr int kCalls = 20000;
+  volatile int64_t sink = 0;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < kCalls; ++i) {
+    pool.ParallelFor(pool.num_threads(), [&](int64_t b, int64_t e, int) { sink = sink + e - b; });
+  }
+  return SecondsSince(t0) * 1e6 / kCalls;
+}
+
+nlohmann::json Series(const std::vector<double>& v) {
+  return {{"runs", v}, {"median", Median(v)}};
+}
+
+absl::Status Run(const Options& o) {
+  const auto t_load = Clock::now();
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Model> model, engine::Model::Load(o.model_path));
+  const double load_s = SecondsSince(t_load);
+  const engine::ModelConfig& c = model->config();
+  const double wbytes = static_cast<double>(model->weight_bytes_per_token());
+  std::mt19937_64 rng(o.seed);
+
+  nlohmann::json j;
+  j["tool"] = "tandem-engine-bench";
+  j["model"] = o.model_path;
+  j["arch"] = c.arch_name;
+  j["weight_type"] = std::string(kernels::Traits(model->layer(0).wq.type).name);
+  j["n_layer"] = c.n_layer;
+  j["n_embd"] = c.n_embd;
+  j["n_vocab"] = c.n_vocab;
+  j["weight_bytes_per_token"] = model->weight_bytes_per_token();
+  j["threads"] = o.threads;
+  j["kv_type"] = o.kv_type;
+  j["reps"] = o.reps;
+  j["load_s"] = load_s;
+
+  for (const std::string& mode : o.modes) {
+    if (mode == "decode") {
+      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.decode_prompt + o.n_gen, 1));
+      TANDEM_RETURN_IF_ERROR(DecodeOnce(*eng, o, std::min(o.n_gen, 4), rng).status());
+      std::vector<double> tps;
+      for (int r = 0; r < o.reps; ++r) {
+        TANDEM_ASSIGN_OR_RETURN(double v, DecodeOnce(*eng, o, o.n_gen, rng));
+        tps.push_back(v);
+      }
+      std::vector<double> gbps;
+      for (double v : tps) gbps.push_back(v * wbytes / 1e9);
+      j["decode"] = {{"n_gen", o.n_gen}, {"prompt", o.decode_prompt},
+                     {"tokens_per_s", Series(tps)}, {"weight_gb_per_s", Series(gbps)}};
+    } else if (mode == "prefill") {
+      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.n_prefill, 1));
+      TANDEM_RETURN_IF_ERROR(PrefillOnce(*eng, std::min(o.n_prefill, 64), rng).status());
+      std::vector<double> tps;
+      for (int r = 0; r < o.reps; ++r) {
+        TANDEM_ASSIGN_OR_RETURN(double v, PrefillOnce(*eng, o.n_prefill, rng));
+        tps.push_back(v);
+      }
+      j["prefill"] = {{"n_prompt", o.n_prefill}, {"tokens_per_s", Series(tps)}};
+    } else if (mode == "batch") {
+      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.seq_prompt + o.n_gen, o.n_seqs));
+      TANDEM_RETURN_IF_ERROR(BatchOnce(*eng, o, std::min(o.n_seqs, 2), 2, rng).status());
+      std::vector<double> tps, dtps;
+      BatchResult last;
+      for (int r = 0; r < o.reps; ++r) {
+        TANDEM_ASSIGN_OR_RETURN(last, BatchOnce(*eng, o, o.n_seqs, o.n_gen, rng));
+        tps.push_back(last.tokens_per_s);
+        dtps.push_back(last.decode_tokens_per_s);
+      }
+      j["batch"] = {{"n_seqs", o.n_seqs},
+                    {"prompt", o.seq_prompt},
+                    {"n_gen", o.n_gen},
+                    {"steps", last.steps},
+                    {"generated", last.generated},
+                    {"tokens_per_s", Series(tps)},
+                    {"decode_phase_tokens_per_s", Series(dtps)}};
+    } else if (mode == "matmul") {
+      util::ThreadPool pool(o.threads);
+      MatmulSweep s = PrepareSweep(*model, o.matmul_batch);
+      SweepOnce(s, pool);
+      std::vector<double> ms, gbps;
+      for (int r = 0; r < o.reps; ++r) {
+        const double secs = SweepOnce(s, pool);
+        ms.push_back(secs * 1e3);
+        gbps.push_back(wbytes / secs / 1e9);
+      }
+      j["matmul"] = {{"batch", o.matmul_batch}, {"calls", s.weights.size()},
+                     {"sweep_ms", Series(ms)}, {"weight_gb_per_s", Series(gbps)}};
+    } else if (mode == "kernel") {
+      const engine::WeightView& w = model->layer(0).w_gate;
+      const int64_t row_bytes = static_cast<int64_t>(kernels::RowBytes(w.type, w.cols));
+      const int64_t rows =
+          std::clamp<int64_t>(int64_t{o.kernel_kib} * 1024 / row_bytes / 16 * 16, 16, w.rows);
+      MatmulSweep s = PrepareSweep(*model, o.matmul_batch);
+      std::vector<double> gbps, gmacs;
+      for (int r = 0; r < o.reps; ++r) {
+        const KernelRate k = KernelOnce(w, rows, s);
+        gbps.push_back(k.weight_gb_per_s);
+        gmacs.push_back(k.gmac_per_s);
+      }
+      j["kernel"] = {{"batch", o.matmul_batch}, {"rows", rows}, {"cols", w.cols},
+                     {"weight_kib", rows * row_bytes / 1024}, {"weight_gb_per_s", Series(gbps)},
+                     {"gmac_per_s", Series(gmacs)}};
+    } else if (mode == "pool") {
+      util::ThreadPool pool(o.threads);
+      PoolOverheadUs(pool);
+      std::vector<double> us;
+      for (int r = 0; r < o.reps; ++r) us.push_back(PoolOverheadUs(pool));
+      j["pool"] = {{"parallel_for_us", Series(us)}};
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown mode '", mode,
+                                                     "' (decode, prefill, batch, matmul, kernel, pool)"));
+    }
+  }
+  std::printf("%s\n", j.dump().c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace tandem::bench
+
+int main(int argc, char** argv) {
+  tandem::bench::Options o;
+  std::string modes = "decode,prefill,batch";
+  CLI::App app{"tandem CPU engine benchmark (decode, prefill, batched decode); JSON on stdout"};
+  app.add_option("--model", o.model_path, "GGUF model")->required();
+  app.add_option("--threads,-t", o.threads, "Compute threads");
+  app.add_option("--modes", modes, "Comma list of decode,prefill,batch,matmul,kernel,pool");
+  app.add_option("--reps,-r", o.reps, "Timed repetitions per mode (after one untimed)");
+  app.add_option("--n-gen,-n", o.n_gen, "Generated tokens per sequence (decode, batch)");
+  app.add_option("--decode-prompt", o.decode_prompt, "Untimed prompt tokens before decode");
+  app.add_option("--n-prefill,-p", o.n_prefill, "Prompt tokens of the prefill case");
+  app.add_option("--n-seqs", o.n_seqs, "Concurrent sequences of the batch case");
+  app.add_option("--seq-prompt", o.seq_prompt, "Prompt tokens of each batch-case sequence");
+  app.add_option("--matmul-batch", o.matmul_batch, "Activation rows of the matmul sweep");
+  app.add_option("--kernel-kib", o.kernel_kib, "Weight KiB of the kernel mode (fits in L2)");
+  app.add_option("--batch-tokens", o.batch_tokens, "Engine max_batch_tokens (prefill chunk)");
+  app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (llama.cpp's default) or f32");
+  app.add_option("--seed", o.seed, "Seed of the random prompts");
+  CLI11_PARSE(app, argc, argv);
+  o.modes = absl::StrSplit(modes, ',', absl::SkipEmpty());
+  if (o.threads < 1 || o.reps < 1 || o.n_gen < 1 || o.n_prefill < 1 || o.n_seqs < 1 ||
+      o.seq_prompt < 1 || o.matmul_batch < 1) {
+    std::fprintf(stderr, "engine_bench: counts must be >= 1\n");
+    return 2;
+  }
+  const absl::Status st = tandem::bench::Run(o);
+  if (!st.ok()) {
+    std::fprintf(stderr, "engine_bench: %s\n", std::string(st.ToString()).c_str());
+    return 1;
+  }
+  return 0;
+}
