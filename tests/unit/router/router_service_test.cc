@@ -179,6 +179,12 @@ class RouterTest : public ::testing::Test {
     registry_ = v1::Registry::NewStub(channel_);
   }
 
+  template <class Fake, class... Args>
+  Fake& Own(Args&&... args) {
+    fakes_.push_back(std::make_unique<Fake>(std::forward<Args>(args)...));
+    return static_cast<Fake&>(*fakes_.back());
+  }
+
   // Hosts the fake and registers it with the router through the Registry service.
   std::string Add(grpc::Service* svc, const std::string& id, v1::WorkerRole role,
                   int kv_blocks = 100) {
@@ -234,6 +240,9 @@ class RouterTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Inference::Stub> inference_;
   std::unique_ptr<v1::Registry::Stub> registry_;
+  // The fakes live here, not in test bodies, so TearDown shuts their servers down (and waits
+  // for any handler still running) before they are destroyed.
+  std::vector<std::unique_ptr<grpc::Service>> fakes_;
   std::vector<Hosted> hosted_;
 };
 
@@ -241,8 +250,8 @@ std::string* RouterTest::model_path_ = nullptr;
 
 TEST_F(RouterTest, DisaggregatedHandoffRelaysTheDecodeStream) {
   StartRouter();
-  FakeDecode decode("d0");
-  FakePrefill prefill;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   v1::GenerateRequest req = TextRequest("hello world", 5);
@@ -316,10 +325,10 @@ TEST_F(RouterTest, DisaggregatedHandoffRelaysTheDecodeStream) {
 
 TEST_F(RouterTest, RelaysEachMessageAsItIsProduced) {
   StartRouter();
-  FakeDecode decode("d0");
+  FakeDecode& decode = Own<FakeDecode>("d0");
   decode.tokens = 10;
   decode.token_delay = absl::Milliseconds(30);
-  FakePrefill prefill;
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   grpc::ClientContext cc;
@@ -338,8 +347,8 @@ TEST_F(RouterTest, RelaysEachMessageAsItIsProduced) {
 
 TEST_F(RouterTest, OnlyColocatedWorkersGetPrefillLocally) {
   StartRouter();
-  FakeDecode both("c0");
-  FakeDecode decode_only("d0");
+  FakeDecode& both = Own<FakeDecode>("c0");
+  FakeDecode& decode_only = Own<FakeDecode>("d0");
   Add(&both, "c0", v1::WORKER_ROLE_BOTH);
   Add(&decode_only, "d0", v1::WORKER_ROLE_DECODE);  // no prefill pool: not usable alone
   v1::GenerateRequest req;
@@ -359,8 +368,8 @@ TEST_F(RouterTest, OnlyColocatedWorkersGetPrefillLocally) {
 
 TEST_F(RouterTest, InvalidRequestsNameTheFieldAndReachNoWorker) {
   StartRouter();
-  FakeDecode decode("d0");
-  FakePrefill prefill;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   struct Case {
@@ -409,8 +418,8 @@ TEST_F(RouterTest, NoWorkersIsUnavailable) {
 
 TEST_F(RouterTest, DeadlinePropagatesToEveryHop) {
   StartRouter();
-  FakeDecode decode("d0");
-  FakePrefill prefill;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   Outcome out = Run(TextRequest("hi"), absl::Seconds(3));
@@ -429,8 +438,8 @@ TEST_F(RouterTest, DeadlinePropagatesToEveryHop) {
 
 TEST_F(RouterTest, RequestsWithoutDeadlineGetTheRoutersDefault) {
   StartRouter();  // default_timeout 60 s
-  FakeDecode decode("d0");
-  FakePrefill prefill;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   grpc::ClientContext cc;  // no deadline
@@ -450,10 +459,10 @@ TEST_F(RouterTest, RequestsWithoutDeadlineGetTheRoutersDefault) {
 
 TEST_F(RouterTest, ClientCancellationCutsTheStreamAndCancelsOnTheWorker) {
   StartRouter();
-  FakeDecode decode("d0");
+  FakeDecode& decode = Own<FakeDecode>("d0");
   decode.tokens = 500;
   decode.token_delay = absl::Milliseconds(20);
-  FakePrefill prefill;
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   v1::GenerateRequest req = TextRequest("hi", 200);
@@ -489,20 +498,21 @@ TEST_F(RouterTest, ClientCancellationCutsTheStreamAndCancelsOnTheWorker) {
 
 TEST_F(RouterTest, FailsOverFromAFullDecodeAndADeadPrefillWorker) {
   StartRouter();
-  FakeDecode full("d0-full"), good("d1");
+  FakeDecode& full = Own<FakeDecode>("d0-full");
+  FakeDecode& good = Own<FakeDecode>("d1");
   full.reserve_status = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "no blocks");
   Add(&full, "d0-full", v1::WORKER_ROLE_DECODE, /*kv_blocks=*/1000);  // looks best, is full
   Add(&good, "d1", v1::WORKER_ROLE_DECODE, /*kv_blocks=*/10);
   // A prefill worker whose process is gone: its port no longer listens.
   Hosted dead;
   {
-    FakePrefill gone;
+    FakePrefill& gone = Own<FakePrefill>();
     dead = Host(&gone);
     dead.server->Shutdown(std::chrono::system_clock::now());
     dead.server->Wait();
   }
   RegisterAt("p0-dead", v1::WORKER_ROLE_PREFILL, dead.address());
-  FakePrefill prefill;
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&prefill, "p1", v1::WORKER_ROLE_PREFILL);
   Outcome out = Run(TextRequest("hi"));
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
@@ -518,8 +528,8 @@ TEST_F(RouterTest, FailsOverFromAFullDecodeAndADeadPrefillWorker) {
 
 TEST_F(RouterTest, FailedPrefillReleasesTheReservation) {
   StartRouter();
-  FakeDecode decode("d0");
-  FakePrefill prefill;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
   prefill.status = grpc::Status(grpc::StatusCode::INTERNAL, "boom");
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
@@ -538,10 +548,10 @@ TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   o.max_inflight = 1;
   o.max_queue = 0;
   StartRouter(o);
-  FakeDecode decode("d0");
+  FakeDecode& decode = Own<FakeDecode>("d0");
   decode.tokens = 1000;
   decode.token_delay = absl::Milliseconds(10);
-  FakePrefill prefill;
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   grpc::ClientContext cc;
@@ -559,8 +569,9 @@ TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
 
 TEST_F(RouterTest, DrainingAndDeregisteredWorkersGetNoNewRequests) {
   StartRouter();
-  FakeDecode d0("d0"), d1("d1");
-  FakePrefill prefill;
+  FakeDecode& d0 = Own<FakeDecode>("d0");
+  FakeDecode& d1 = Own<FakeDecode>("d1");
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&d0, "d0", v1::WORKER_ROLE_DECODE);
   Add(&d1, "d1", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
@@ -590,7 +601,7 @@ TEST_F(RouterTest, ExpiredLeaseDropsASilentWorker) {
   RouterOptions o;
   o.worker_lease = absl::Milliseconds(300);
   StartRouter(o);
-  FakeDecode decode("d0");
+  FakeDecode& decode = Own<FakeDecode>("d0");
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   auto list = [&] {
     v1::ListWorkersResponse resp;
@@ -616,10 +627,10 @@ TEST_F(RouterTest, ExpiredLeaseDropsASilentWorker) {
 
 TEST_F(RouterTest, ShutdownLetsRunningStreamsFinishRefusesNewOnesAndIsPromptWhenIdle) {
   StartRouter();
-  FakeDecode decode("d0");
+  FakeDecode& decode = Own<FakeDecode>("d0");
   decode.tokens = 40;
   decode.token_delay = absl::Milliseconds(10);
-  FakePrefill prefill;
+  FakePrefill& prefill = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   grpc::ClientContext cc;
@@ -647,8 +658,9 @@ TEST_P(PolicyTest, PrefillSelectionFollowsThePolicy) {
   RouterOptions o;
   o.policy = GetParam();
   StartRouter(o);
-  FakeDecode decode("d0");
-  FakePrefill p0, p1;
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& p0 = Own<FakePrefill>();
+  FakePrefill& p1 = Own<FakePrefill>();
   Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
   Add(&p0, "p0", v1::WORKER_ROLE_PREFILL);
   Add(&p1, "p1", v1::WORKER_ROLE_PREFILL);
