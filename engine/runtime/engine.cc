@@ -198,6 +198,7 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
     if (on_layer_done) on_layer_done(l);
 
     int64_t row = 0;
+    attn_params_.clear();
     for (const SeqChunk& ch : chunks) {
       const int64_t n = static_cast<int64_t>(ch.tokens.size());
       kernels::PagedAttentionParams ap;
@@ -216,9 +217,10 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
       ap.block_table = ch.block_table.data();
       ap.out = attn_.data() + row * q_dim;
       ap.out_stride = q_dim;
-      kernels::PagedAttention(ap, pool);
+      attn_params_.push_back(ap);
       row += n;
     }
+    kernels::PagedAttentionBatch(attn_params_, pool);
 
     MatmulRows(w.wo, attn_.data(), T, tmp_.data(), pool);
     kernels::AddInPlace(x_.data(), tmp_.data(), T * d);

@@ -22,6 +22,7 @@
 #include "common/util/thread_pool.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model.h"
+#include "tandem/kernels/attention.h"
 
 namespace tandem::engine {
 
@@ -80,6 +81,7 @@ class Engine {
 
   // Scratch, grown on demand and reused between steps.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
+  std::vector<kernels::PagedAttentionParams> attn_params_;  // per layer, one per chunk
   std::vector<int32_t> pos_;
 };
 

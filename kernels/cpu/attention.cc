@@ -1,11 +1,14 @@
 #include "tandem/kernels/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "common/util/thread_pool.h"
+#include "internal.h"
+#include "tandem/kernels/cpu_features.h"
 #include "tandem/kernels/fp16.h"
 
 namespace tandem::kernels {
@@ -71,32 +74,73 @@ void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scor
   }
 }
 
-template <typename T>
-void Run(const PagedAttentionParams& p, util::ThreadPool* pool) {
-  int64_t max_keys = 0;
-  for (int64_t i = 0; i < p.n_q; ++i) max_keys = std::max<int64_t>(max_keys, p.q_pos[i] + 1);
-  const int64_t work = p.n_q * p.n_head;
-  auto body = [&](int64_t begin, int64_t end, int) {
-    std::vector<float> scores(max_keys);
-    std::vector<float> kbuf(p.head_dim);
-    for (int64_t w = begin; w < end; ++w) {
-      AttendOne<T>(p, w / p.n_head, w % p.n_head, scores.data(), kbuf.data());
+// One query row over one KV head: every query head of the group, one at a time. scores has
+// room for q_pos + 1 floats, kbuf for head_dim.
+void AttendItemScalar(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
+                      float* kbuf) {
+  const int64_t group = p.n_head / p.n_kv_head;
+  for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+    if (p.kv_type == DType::kF16) {
+      AttendOne<uint16_t>(p, qi, h, scores, kbuf);
+    } else {
+      AttendOne<float>(p, qi, h, scores, kbuf);
     }
-  };
-  if (pool == nullptr) {
-    body(0, work, 0);
-  } else {
-    pool->ParallelFor(work, body);
   }
 }
 
 }  // namespace
 
 void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool) {
-  if (p.kv_type == DType::kF16) {
-    Run<uint16_t>(p, pool);
+  PagedAttentionBatch(std::span<const PagedAttentionParams>(&p, 1), pool);
+}
+
+void PagedAttentionBatch(std::span<const PagedAttentionParams> seqs, util::ThreadPool* pool) {
+  // Work items are (sequence, query row, KV head). Causal rows differ in cost (the last row of
+  // a prefill reads every key, the first reads one), so threads take items one at a time from
+  // a shared counter, the most expensive rows of each sequence first, instead of fixed ranges.
+  std::vector<int64_t> first_item(seqs.size() + 1, 0);
+  int64_t max_keys = 0, max_dim = 0;
+  bool simd = false;
+#if TANDEM_KERNELS_X86
+  simd = ActiveIsa() >= Isa::kAvx512;
+#endif
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const PagedAttentionParams& p = seqs[s];
+    first_item[s + 1] = first_item[s] + p.n_q * p.n_kv_head;
+    for (int64_t i = 0; i < p.n_q; ++i) max_keys = std::max<int64_t>(max_keys, p.q_pos[i] + 1);
+    max_dim = std::max(max_dim, p.head_dim);
+#if TANDEM_KERNELS_X86
+    simd = simd && internal::avx512::AttentionSupports(p);
+#endif
+  }
+  const int64_t items = first_item.back();
+  if (items == 0) return;
+  const int64_t stride = (max_keys + 15) / 16 * 16;
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int) {
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>(4 * stride + max_dim);
+    if (scratch.size() < need) scratch.resize(need);
+    size_t s = 0;
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      while (item >= first_item[s + 1]) ++s;
+      const PagedAttentionParams& p = seqs[s];
+      const int64_t local = item - first_item[s];
+      const int64_t qi = p.n_q - 1 - local / p.n_kv_head;
+      const int64_t kvh = local % p.n_kv_head;
+#if TANDEM_KERNELS_X86
+      if (simd) {
+        internal::avx512::AttendItem(p, qi, kvh, scratch.data(), stride);
+        continue;
+      }
+#endif
+      AttendItemScalar(p, qi, kvh, scratch.data(), scratch.data() + 4 * stride);
+    }
+  };
+  if (pool == nullptr || items == 1) {
+    worker(0);
   } else {
-    Run<float>(p, pool);
+    pool->RunOnAll(worker);
   }
 }
 

@@ -10,6 +10,10 @@
 
 #include "tandem/kernels/dtype.h"
 
+namespace tandem::kernels {
+struct PagedAttentionParams;
+}
+
 namespace tandem::kernels::internal {
 
 inline constexpr int kQK8_0 = 32;
@@ -77,6 +81,13 @@ struct ActRow {
 
 inline constexpr int kMaxTile = 4;  // activation rows one tile call handles
 
+// The GEMM layout of Q8_0 activations (big batches on AVX-512, see GetGemmKernel), in groups
+// of two 32-value blocks, 128 bytes each: the 64 Q8_0 integers plus 128 as uint8, then the two
+// block scales as 16 floats, each repeated once per int32 lane of the dot product (8 per
+// block). ActRow::values points at group 0; scales and bsums are unused. A missing second block
+// (odd block count) has zero scales. Tiles take up to kGemmTile rows.
+inline constexpr int kGemmTile = 8;
+
 // Computes out[b * out_stride + r] = dot(weight row r, act[b]) for r < nrows, b < nb.
 // w points at row 0 of the tile; rows are w_stride bytes apart.
 using TileFn = void (*)(const uint8_t* w, size_t w_stride, int64_t nrows, const ActRow* act, int nb,
@@ -105,6 +116,17 @@ void SwiGlu(const float* gate, const float* up, float* out, int64_t n);
 
 namespace avx512 {
 TileKernels GetTileKernels(bool with_bf16);
+
+// Paged attention of one query row over one KV head (every query head of its group), for the
+// shapes AttentionSupports accepts. scores: 4 rows of `stride` >= n_keys floats (n_keys rounded
+// up to 16 is enough).
+// A tile kernel for the GEMM activation layout (nb up to kGemmTile), or null for weight types
+// without one.
+TileFn GetGemmKernel(DType weight_type);
+
+bool AttentionSupports(const PagedAttentionParams& p);
+void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
+                int64_t stride);
 }  // namespace avx512
 
 }  // namespace tandem::kernels::internal

@@ -101,6 +101,39 @@ ActLayout LayoutFor(DType vt, int64_t n) {
   return l;
 }
 
+// internal::kGemmTile's layout of Q8_0 activations: per two blocks, a+128 as uint8 and every
+// block scale once per int32 lane (8 per block).
+ActLayout GemmLayout(int64_t n) {
+  ActLayout l;
+  l.values = RoundUp64((n / 32 + 1) / 2 * 128);
+  return l;
+}
+
+void ConvertActivationGemm(const float* x, int64_t n, uint8_t* dst, ActRow* row) {
+  row->values = dst;
+  row->scales = nullptr;
+  row->bsums = nullptr;
+  int8_t q[32];
+  const int64_t nblk = n / 32;
+  for (int64_t b = 0; b < nblk; ++b) {
+    uint8_t* group = dst + 128 * (b / 2);
+    uint8_t* v = group + 32 * (b % 2);
+    auto* s = reinterpret_cast<float*>(group + 64) + 8 * (b % 2);
+    uint16_t d16;
+    QuantizeQ8_0Block(x + 32 * b, q, &d16);
+    for (int j = 0; j < 32; ++j) v[j] = static_cast<uint8_t>(q[j] + 128);
+    const float d = Fp16ToF32(d16);
+    for (int j = 0; j < 8; ++j) s[j] = d;
+  }
+  if (nblk % 2 == 1) {
+    // The last group's second half has no block: zero weights meet it in the kernel, and its
+    // scales must be finite (zero), not stale bytes.
+    uint8_t* group = dst + 128 * (nblk / 2);
+    std::memset(group + 32, 128, 32);
+    std::fill_n(reinterpret_cast<float*>(group + 64) + 8, 8, 0.0f);
+  }
+}
+
 void ConvertActivation(DType vt, const float* x, int64_t n, uint8_t* dst, const ActLayout& l,
                        ActRow* row) {
   row->values = dst;
@@ -360,6 +393,31 @@ TileFn SelectTile(DType t) {
   return fn;
 }
 
+// The GEMM tile for big batches, where the CPU has one for this weight type.
+constexpr int64_t kGemmMinBatch = 8;
+
+TileFn SelectGemm(DType t) {
+#if TANDEM_KERNELS_X86
+  if (ActiveIsa() < Isa::kAvx512) return nullptr;
+  static const TileFn q8_0 = internal::avx512::GetGemmKernel(DType::kQ8_0);
+  static const TileFn q4_0 = internal::avx512::GetGemmKernel(DType::kQ4_0);
+  static const TileFn mxfp4 = internal::avx512::GetGemmKernel(DType::kMXFP4);
+  switch (t) {
+    case DType::kQ8_0:
+      return q8_0;
+    case DType::kQ4_0:
+      return q4_0;
+    case DType::kMXFP4:
+      return mxfp4;
+    default:
+      return nullptr;
+  }
+#else
+  (void)t;
+  return nullptr;
+#endif
+}
+
 // Converted activations of one call. Lives on the calling thread and is reused between calls,
 // so steady-state decode allocates nothing.
 struct ActScratch {
@@ -437,10 +495,14 @@ void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
   const int64_t in_stride = p.input_stride ? p.input_stride : p.cols;
   const int64_t out_stride = p.output_stride ? p.output_stride : p.rows;
   const DType vt = VecDotType(p.weight_type);
-  const TileFn tile = SelectTile(p.weight_type);
+  const TileFn gemm = p.batch >= kGemmMinBatch ? SelectGemm(p.weight_type) : nullptr;
+  const TileFn tile = gemm ? gemm : SelectTile(p.weight_type);
+  const int64_t max_tile = gemm ? internal::kGemmTile : kMaxTile;
 
-  const ActLayout layout = LayoutFor(vt, p.cols);
-  const size_t row_bytes = layout.Total();
+  const ActLayout layout = gemm ? GemmLayout(p.cols) : LayoutFor(vt, p.cols);
+  // Rows a power of two apart (2048 columns make 8 KiB) would all map to the same L1 sets and
+  // evict each other within one tile; one extra cache line of stride spreads them.
+  const size_t row_bytes = layout.Total() + (layout.Total() % 1024 == 0 ? 64 : 0);
   ActScratch& scratch = Scratch();
   if (scratch.bytes.size() < row_bytes * p.batch + 64)
     scratch.bytes.resize(row_bytes * p.batch + 64);
@@ -449,8 +511,13 @@ void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
   base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   auto convert = [&](int64_t b0, int64_t b1, int) {
     for (int64_t b = b0; b < b1; ++b) {
-      ConvertActivation(vt, p.input + b * in_stride, p.cols, base + b * row_bytes, layout,
-                        &scratch.rows[b]);
+      if (gemm) {
+        ConvertActivationGemm(p.input + b * in_stride, p.cols, base + b * row_bytes,
+                              &scratch.rows[b]);
+      } else {
+        ConvertActivation(vt, p.input + b * in_stride, p.cols, base + b * row_bytes, layout,
+                          &scratch.rows[b]);
+      }
     }
   };
   if (pool != nullptr && p.batch > 1 && p.batch * p.cols >= (1 << 16)) {
@@ -462,11 +529,16 @@ void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
   const auto* w = static_cast<const uint8_t*>(p.weight);
   const size_t w_stride = RowBytes(p.weight_type, p.cols);
   const ActRow* act = scratch.rows.data();
+  // A GEMM row block is sized to stay in L2 (about 256 KiB) while every activation tile passes
+  // over it; the small-batch tiles keep kRowBlock rows, which stay in L1.
+  const int64_t row_block =
+      gemm ? std::clamp<int64_t>((int64_t{256} << 10) / static_cast<int64_t>(w_stride), 16, 1024)
+           : kRowBlock;
   auto run_rows = [&](int64_t r0, int64_t r1, int) {
-    for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
-      const int64_t nr = std::min(kRowBlock, r1 - rb);
-      for (int64_t b0 = 0; b0 < p.batch; b0 += kMaxTile) {
-        const int nb = static_cast<int>(std::min<int64_t>(kMaxTile, p.batch - b0));
+    for (int64_t rb = r0; rb < r1; rb += row_block) {
+      const int64_t nr = std::min(row_block, r1 - rb);
+      for (int64_t b0 = 0; b0 < p.batch; b0 += max_tile) {
+        const int nb = static_cast<int>(std::min<int64_t>(max_tile, p.batch - b0));
         tile(w + rb * w_stride, w_stride, nr, act + b0, nb, p.cols, p.output + b0 * out_stride + rb,
              out_stride);
       }

@@ -320,6 +320,74 @@ void TileQ4Kx512Impl(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* a
   }
 }
 
+// ---- GEMM tiles for big batches (prefill): unsigned activations, lane-expanded scales -------
+//
+// The activations come as a+128 (u8, internal::kGemmTile's layout), so VPDPBUSD takes the signed
+// weights as they are and the a+128 offset is removed by starting each dot product from
+// -128 * (sum of the weights in each lane), computed once per weight register for all NB
+// activation rows. The activation scales come expanded to one float per int32 lane, so the scale
+// of a lane is one multiply by the weight scales. Per activation row and register of 64 weights
+// that leaves four instructions: dot product, convert, scale multiply, fused add.
+template <typename D, int NB>
+void GemmBlock32x512(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                     float* out, int64_t os) {
+  using Block = typename D::Block;
+  const int64_t nblk = cols / 32;
+  const __m512i spread01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i spread23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* a[NB];
+  for (int b = 0; b < NB; ++b) a[b] = static_cast<const uint8_t*>(act[b].values);
+  for (int64_t r = 0; r < nrows; ++r) {
+    const Block* x = reinterpret_cast<const Block*>(w + r * ws);
+    __m512 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
+    // One register of two blocks (i = index of its first block): q, the weight scales spread
+    // over the lanes (dw), against every activation row.
+    auto apply = [&](int64_t i, __m512i q, __m512 dw) {
+      const __m512i ncorr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k128, q));
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* group = a[b] + 64 * i;  // 128 bytes per two blocks
+        const __m512i p = _mm512_dpbusd_epi32(ncorr, _mm512_load_si512(group), q);
+        const __m512 s = _mm512_mul_ps(dw, _mm512_load_ps(reinterpret_cast<const float*>(group + 64)));
+        acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[b]);
+      }
+    };
+    int64_t i = 0;
+    for (; i + 4 <= nblk; i += 4) {
+      const __m512 dw4 = _mm512_castps128_ps512(D::Scales4(x + i));
+      apply(i, D::Values(x + i), _mm512_permutexvar_ps(spread01, dw4));
+      apply(i + 2, D::Values(x + i + 2), _mm512_permutexvar_ps(spread23, dw4));
+    }
+    if (i + 2 <= nblk) {
+      apply(i, D::Values(x + i), _mm512_permutexvar_ps(spread01, _mm512_castps128_ps512(D::Scales(x + i))));
+      i += 2;
+    }
+    if (i < nblk) {  // odd block count: the upper half of the register is zero weights
+      apply(i, D::Value1(x + i), _mm512_set1_ps(D::Scale1(x + i)));
+    }
+    for (int b = 0; b < NB; ++b) out[b * os + r] = _mm512_reduce_add_ps(acc[b]);
+  }
+}
+
+// NB = 1..kGemmTile chosen at run time.
+template <typename D>
+void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int nb,
+                         int64_t cols, float* out, int64_t os) {
+  static_assert(kGemmTile == 8, "the switch below spells out NB = 1..8");
+  switch (nb) {
+    case 1: return GemmBlock32x512<D, 1>(w, ws, nrows, act, cols, out, os);
+    case 2: return GemmBlock32x512<D, 2>(w, ws, nrows, act, cols, out, os);
+    case 3: return GemmBlock32x512<D, 3>(w, ws, nrows, act, cols, out, os);
+    case 4: return GemmBlock32x512<D, 4>(w, ws, nrows, act, cols, out, os);
+    case 5: return GemmBlock32x512<D, 5>(w, ws, nrows, act, cols, out, os);
+    case 6: return GemmBlock32x512<D, 6>(w, ws, nrows, act, cols, out, os);
+    case 7: return GemmBlock32x512<D, 7>(w, ws, nrows, act, cols, out, os);
+    default: return GemmBlock32x512<D, 8>(w, ws, nrows, act, cols, out, os);
+  }
+}
+
 TANDEM_TILE_DISPATCH(TileQ8_0x512, TileBlock32x512Impl, Decode2Q8_0)
 TANDEM_TILE_DISPATCH(TileQ4_0x512, TileBlock32x512Impl, Decode2Q4_0)
 TANDEM_TILE_DISPATCH(TileMxfp4x512, TileBlock32x512Impl, Decode2Mxfp4)
@@ -345,6 +413,19 @@ TileKernels GetTileKernels(bool with_bf16) {
   k.q4_k = TileQ4Kx512;
   k.q6_k = TileQ6Kx86;
   return k;
+}
+
+TileFn GetGemmKernel(DType weight_type) {
+  switch (weight_type) {
+    case DType::kQ8_0:
+      return GemmBlock32Dispatch<Decode2Q8_0>;
+    case DType::kQ4_0:
+      return GemmBlock32Dispatch<Decode2Q4_0>;
+    case DType::kMXFP4:
+      return GemmBlock32Dispatch<Decode2Mxfp4>;
+    default:
+      return nullptr;
+  }
 }
 
 }  // namespace avx512

@@ -145,6 +145,11 @@ TEST_P(MatmulTest, MatchesReferenceOnEveryIsaShapeAndThreadCount) {
     shapes.push_back({4, 32, 3});
     shapes.push_back({19, 96, 5});
     shapes.push_back({7, 224, 2});
+    // Batches of 8 and more take the GEMM tiles where the CPU has them (Q8_0, Q4_0, MXFP4 on
+    // AVX-512): 1, 2 and 7 blocks, and a last tile of every width.
+    shapes.push_back({33, 32, 8});
+    shapes.push_back({40, 64, 9});
+    shapes.push_back({23, 224, 23});
   }
   if (Traits(t).block_elems == 1) shapes.push_back({21, 203, 2});
   util::ThreadPool pool(2);

@@ -6,10 +6,14 @@
 // t % block_size. GQA: query head h reads kv head h / (n_head / n_kv_head).
 // Numerics follow llama.cpp's non-flash path: f32 dot products, scale, softmax with the max
 // subtracted and the exponential sum accumulated in double, then the weighted sum of values.
-// Threading: (query, head) pairs are split over the pool (nullptr: inline). Caller owns buffers.
+// The AVX-512 path (head_dim a multiple of 16, up to 128) reads each K/V row once per GQA group
+// and takes exponentials from a polynomial; results agree with the reference to about 1e-6.
+// Threading: (query row, KV head) items are shared out over the pool dynamically (nullptr:
+// inline). Caller owns buffers.
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "tandem/kernels/dtype.h"
 
@@ -38,6 +42,9 @@ struct PagedAttentionParams {
 };
 
 void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool);
+// Several sequences' attention in one pass over the pool (one hand-off instead of one per
+// sequence: a batched decode step has one query row per sequence).
+void PagedAttentionBatch(std::span<const PagedAttentionParams> seqs, util::ThreadPool* pool);
 void PagedAttentionReference(const PagedAttentionParams& p);
 
 }  // namespace tandem::kernels

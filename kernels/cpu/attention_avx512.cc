@@ -1,0 +1,178 @@
+// AVX-512 paged attention (compiled with -mavx512f/-mavx512bw/-mavx512dq/-mavx512vl and F16C;
+// entered only when ActiveIsa() reports AVX-512). One call handles one query position and one
+// KV head: every query head of that KV head's GQA group, up to four at a time, so each K and V
+// row is loaded (and, for an f16 cache, converted) once for the whole group. Head dims that are
+// multiples of 16 up to 128 are handled; attention.cc falls back to the scalar path otherwise.
+//
+// Numerics match the scalar path's two-pass softmax: f32 dot products (the scale is folded into
+// the query, which rounds once differently), the max subtracted, exponentials from a degree-7
+// polynomial (relative error about 1e-7 over the reduced range), their sum in f32 lanes, then the
+// weighted sum of V.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "internal.h"
+#include "tandem/kernels/attention.h"
+
+namespace tandem::kernels::internal::avx512 {
+namespace {
+
+template <bool kF16>
+inline __m512 LoadRow16(const void* base, int64_t index) {
+  if constexpr (kF16) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+  }
+}
+
+// e^x for x <= 0: x = n ln2 + r with |r| <= ln2/2, e^r from its Taylor polynomial of degree 7
+// (truncation below 6e-9 relative), then scaled by 2^n. Inputs below -104 give 0.
+inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Query heads h0 .. h0+NG-1 (all of KV head kvh) at query row qi; D = head_dim / 16.
+// scores: NG rows of `stride` floats.
+template <int D, int NG, bool kF16>
+void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t h0,
+                 float* scores, int64_t stride) {
+  constexpr int64_t d = 16 * D;
+  const int64_t n_keys = p.q_pos[qi] + 1;
+  const int64_t bs = p.block_size;
+  const int64_t row_elems = p.n_kv_head * d;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+
+  __m512 q[NG][D];
+  for (int g = 0; g < NG; ++g) {
+    const float* qg = p.q + qi * p.q_stride + (h0 + g) * d;
+    for (int c = 0; c < D; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qg + 16 * c), scale);
+  }
+
+  // Pass 1: scores, block by block of the table.
+  for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
+    const int64_t base = (static_cast<int64_t>(p.block_table[t0 / bs]) * bs * p.n_kv_head + kvh) * d;
+    const int64_t n = std::min(bs, n_keys - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 k[D];
+      for (int c = 0; c < D; ++c) k[c] = LoadRow16<kF16>(p.k_cache, base + j * row_elems + 16 * c);
+      for (int g = 0; g < NG; ++g) {
+        __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+        for (int c = 1; c < D; ++c) acc = _mm512_fmadd_ps(q[g][c], k[c], acc);
+        scores[g * stride + t0 + j] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+
+  // Softmax weights, unnormalised; 1/sum is applied to the output.
+  float inv[NG];
+  for (int g = 0; g < NG; ++g) {
+    float* s = scores + g * stride;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n_keys; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n_keys - t)) - 1);
+    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n_keys; t += 16) {
+      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+      _mm512_mask_storeu_ps(s + t, tail, e);
+      sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+
+  // Pass 2: weighted sum of V.
+  __m512 acc[NG][D];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < D; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
+    const int64_t base = (static_cast<int64_t>(p.block_table[t0 / bs]) * bs * p.n_kv_head + kvh) * d;
+    const int64_t n = std::min(bs, n_keys - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[D];
+      for (int c = 0; c < D; ++c) v[c] = LoadRow16<kF16>(p.v_cache, base + j * row_elems + 16 * c);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * stride + t0 + j]);
+        for (int c = 0; c < D; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    float* out = p.out + qi * p.out_stride + (h0 + g) * d;
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < D; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[g][c], s));
+  }
+}
+
+template <int D, bool kF16>
+void AttendItemD(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
+                 int64_t stride) {
+  const int64_t group = p.n_head / p.n_kv_head;
+  int64_t h = kvh * group;
+  const int64_t end = h + group;
+  for (; h + 4 <= end; h += 4) AttendGroup<D, 4, kF16>(p, qi, kvh, h, scores, stride);
+  switch (end - h) {
+    case 3: AttendGroup<D, 3, kF16>(p, qi, kvh, h, scores, stride); break;
+    case 2: AttendGroup<D, 2, kF16>(p, qi, kvh, h, scores, stride); break;
+    case 1: AttendGroup<D, 1, kF16>(p, qi, kvh, h, scores, stride); break;
+    default: break;
+  }
+}
+
+template <bool kF16>
+void AttendItemT(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
+                 int64_t stride) {
+  switch (p.head_dim / 16) {
+    case 1: return AttendItemD<1, kF16>(p, qi, kvh, scores, stride);
+    case 2: return AttendItemD<2, kF16>(p, qi, kvh, scores, stride);
+    case 3: return AttendItemD<3, kF16>(p, qi, kvh, scores, stride);
+    case 4: return AttendItemD<4, kF16>(p, qi, kvh, scores, stride);
+    case 5: return AttendItemD<5, kF16>(p, qi, kvh, scores, stride);
+    case 6: return AttendItemD<6, kF16>(p, qi, kvh, scores, stride);
+    case 7: return AttendItemD<7, kF16>(p, qi, kvh, scores, stride);
+    case 8: return AttendItemD<8, kF16>(p, qi, kvh, scores, stride);
+    default: return;
+  }
+}
+
+}  // namespace
+
+bool AttentionSupports(const PagedAttentionParams& p) {
+  return p.head_dim % 16 == 0 && p.head_dim >= 16 && p.head_dim <= 128 &&
+         (p.kv_type == DType::kF16 || p.kv_type == DType::kF32);
+}
+
+void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
+                int64_t stride) {
+  if (p.kv_type == DType::kF16) {
+    AttendItemT<true>(p, qi, kvh, scores, stride);
+  } else {
+    AttendItemT<false>(p, qi, kvh, scores, stride);
+  }
+}
+
+}  // namespace tandem::kernels::internal::avx512
