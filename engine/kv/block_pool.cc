@@ -14,6 +14,7 @@ BlockPool::BlockPool(int32_t num_blocks) : refs_(num_blocks, 0) {
 }
 
 absl::StatusOr<int32_t> BlockPool::Allocate() {
+  if (free_.empty() && reclaimer_ != nullptr) reclaimer_->ReclaimOne();
   if (free_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: all ", num_blocks(), " blocks in use"));
@@ -25,7 +26,7 @@ absl::StatusOr<int32_t> BlockPool::Allocate() {
 }
 
 absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateN(int32_t n) {
-  if (n > num_free()) {
+  if (n > num_available()) {
     return absl::ResourceExhaustedError(absl::StrCat("KV cache full: need ", n, " blocks, ",
                                                      num_free(), " of ", num_blocks(), " free"));
   }

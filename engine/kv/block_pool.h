@@ -15,6 +15,19 @@
 
 namespace tandem::engine {
 
+// Something holding blocks it can hand back on demand (the prefix cache's unreferenced cached
+// blocks). The pool asks it only when its free list is empty, so cached blocks live as long as
+// nothing else needs the memory.
+class BlockReclaimer {
+ public:
+  virtual ~BlockReclaimer() = default;
+  // Blocks ReclaimOne could free right now.
+  virtual int32_t NumReclaimable() const = 0;
+  // Drops the reclaimer's reference on one block so it returns to the pool's free list; false
+  // when it holds none it can give up.
+  virtual bool ReclaimOne() = 0;
+};
+
 class BlockPool {
  public:
   explicit BlockPool(int32_t num_blocks);
@@ -33,7 +46,16 @@ class BlockPool {
   void UnrefAll(std::span<const int32_t> blocks);
   int32_t refcount(int32_t block) const { return refs_[block]; }
 
+  // Optional: Allocate/AllocateN reclaim from `r` when the free list is empty. Not owned; the
+  // reclaimer must outlive the registration (it unregisters itself with nullptr).
+  void SetReclaimer(BlockReclaimer* r) { reclaimer_ = r; }
+  // Free blocks plus blocks a reclaimer would give back: what AllocateN can hand out.
+  int32_t num_available() const {
+    return num_free() + (reclaimer_ != nullptr ? reclaimer_->NumReclaimable() : 0);
+  }
+
  private:
+  BlockReclaimer* reclaimer_ = nullptr;
   std::vector<int32_t> refs_;
   std::vector<int32_t> free_;  // a stack: recently freed blocks are reused first (warm cache)
 };

@@ -18,10 +18,13 @@ struct Scheduler::Sequence {
   bool done = false;
 };
 
-Scheduler::Scheduler(Engine* engine) : engine_(engine) {}
+Scheduler::Scheduler(Engine* engine, SchedulerOptions options)
+    : engine_(engine), options_(options) {
+  if (options_.prefix_cache) cache_ = std::make_unique<PrefixCache>(&engine_->kv().pool());
+}
 
 Scheduler::~Scheduler() {
-  for (auto& s : running_) engine_->kv().pool().UnrefAll(s->blocks);
+  for (auto& s : running_) Release(*s, /*keep=*/false);
 }
 
 absl::Status Scheduler::Validate(const GenerationRequest& req) const {
@@ -99,9 +102,26 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
   return absl::OkStatus();
 }
 
-void Scheduler::Release(Sequence& s) {
+void Scheduler::Release(Sequence& s, bool keep) {
   s.done = true;
-  engine_->kv().pool().UnrefAll(s.blocks);
+  if (cache_ == nullptr) {
+    engine_->kv().pool().UnrefAll(s.blocks);
+    s.blocks.clear();
+    return;
+  }
+  // Only positions below n_cached hold K/V (the last sampled token was never fed back).
+  const int64_t bs = engine_->kv().block_size();
+  const int64_t full = keep ? s.n_cached / bs : 0;
+  const std::vector<uint64_t> hashes = ComputeBlockHashes(
+      std::span<const int32_t>(s.tokens).first(full * bs), static_cast<int32_t>(bs), s.req.salt);
+  // Tail first, so the LRU evicts a chain's end before its start.
+  for (int64_t i = static_cast<int64_t>(s.blocks.size()) - 1; i >= 0; --i) {
+    if (i < full) {
+      cache_->Insert(hashes[i], s.blocks[i]);
+    } else {
+      cache_->Release(s.blocks[i]);
+    }
+  }
   s.blocks.clear();
 }
 
@@ -122,7 +142,8 @@ void Scheduler::Emit(Sequence& s, int32_t token) {
 
 void Scheduler::Finish(Sequence& s, FinishReason reason, absl::Status status) {
   if (s.done) return;
-  Release(s);
+  // After a failed step the blocks may hold partial writes: cache nothing from them.
+  Release(s, /*keep=*/status.ok() || absl::IsCancelled(status));
   TokenEvent ev;
   ev.finished = true;
   ev.reason = reason;
@@ -152,9 +173,30 @@ void Scheduler::Admit() {
          static_cast<int>(running_.size()) < engine_->options().max_seqs) {
     Sequence& s = *waiting_.front();
     const int64_t need = static_cast<int64_t>(s.tokens.size()) + s.req.sampling.max_tokens;
-    auto blocks = pool.AllocateN(static_cast<int32_t>((need + bs - 1) / bs));
-    if (!blocks.ok()) break;  // FIFO: wait for blocks to free up
-    s.blocks = std::move(*blocks);
+    const int64_t total = (need + bs - 1) / bs;
+    std::vector<int32_t> matched;
+    int64_t queried = 0;
+    if (cache_ != nullptr) {
+      // At most the full blocks before the last prompt token, whose logits must be computed.
+      queried = (static_cast<int64_t>(s.tokens.size()) - 1) / bs;
+      const std::vector<uint64_t> hashes = ComputeBlockHashes(
+          std::span<const int32_t>(s.tokens).first(queried * bs), static_cast<int32_t>(bs),
+          s.req.salt);
+      // Referenced before allocating, so the allocation cannot evict them.
+      matched = cache_->Acquire(hashes);
+    }
+    auto blocks = pool.AllocateN(static_cast<int32_t>(total - matched.size()));
+    if (!blocks.ok()) {
+      for (auto it = matched.rbegin(); it != matched.rend(); ++it) cache_->Release(*it);
+      break;  // FIFO: wait for blocks to free up
+    }
+    if (cache_ != nullptr) {
+      cache_->RecordLookup(queried, static_cast<int64_t>(matched.size()));
+      s.n_cached = static_cast<int64_t>(matched.size()) * bs;
+      stats_.cached_prompt_tokens += s.n_cached;
+    }
+    s.blocks = std::move(matched);
+    s.blocks.insert(s.blocks.end(), blocks->begin(), blocks->end());
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }

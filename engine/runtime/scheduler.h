@@ -6,6 +6,13 @@
 // budget with prefill chunks (chunked prefill), runs one Step, samples, and reports tokens
 // through the request's callback. Finished sequences free their blocks at once.
 //
+// With the prefix cache on (SchedulerOptions::prefix_cache), admission reuses the longest run
+// of cached full blocks of the prompt under the request's salt (never the whole prompt: the
+// last prompt token is always computed, for its logits) and prefill starts after them; a
+// sequence that finishes or is cancelled hands its full blocks (prompt and generated) to the
+// cache instead of freeing them. Cached blocks nobody uses count as used in the pool until an
+// allocation needs them (see PrefixCache).
+//
 // Threading: single-threaded; callbacks run on the thread that calls Run/Iterate.
 #pragma once
 
@@ -17,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/kv/prefix_cache.h"
 #include "engine/runtime/engine.h"
 #include "engine/sampling/sampler.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -36,17 +44,26 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;  // already tokenised, BOS included where the model wants it
   SamplingParams sampling;
   std::function<void(const TokenEvent&)> on_event;
+  // Prefix-cache namespace (the tenant): requests share cached blocks only with the same salt.
+  uint64_t salt = 0;
 };
 
 struct SchedulerStats {
   int64_t steps = 0;
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+};
+
+struct SchedulerOptions {
+  // Off by default: callers that account for every pool block (the decode worker, tests that
+  // expect an empty pool after a run) see no change unless they ask for it.
+  bool prefix_cache = false;
 };
 
 class Scheduler {
  public:
-  explicit Scheduler(Engine* engine);
+  explicit Scheduler(Engine* engine, SchedulerOptions options = {});
   ~Scheduler();
 
   // Validates (prompt non-empty and in vocab, prompt + max_tokens within the context and the
@@ -69,6 +86,9 @@ class Scheduler {
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   const SchedulerStats& stats() const { return stats_; }
+  // Null when the prefix cache is off.
+  PrefixCache* prefix_cache() { return cache_.get(); }
+  const PrefixCache* prefix_cache() const { return cache_.get(); }
 
  private:
   struct Sequence;
@@ -76,11 +96,15 @@ class Scheduler {
   std::unique_ptr<Sequence> NewSequence(GenerationRequest req) const;
   // Feeds a sampled token through decoding and stop checks and reports it.
   void Emit(Sequence& s, int32_t token);
-  void Release(Sequence& s);
+  // Gives the sequence's blocks back; with the cache on and `keep` set, its full blocks are
+  // cached rather than freed.
+  void Release(Sequence& s, bool keep = true);
   void Finish(Sequence& s, FinishReason reason, absl::Status status);
   void Admit();
 
   Engine* engine_;
+  SchedulerOptions options_;
+  std::unique_ptr<PrefixCache> cache_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   SchedulerStats stats_;

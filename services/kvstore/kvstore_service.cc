@@ -1,0 +1,88 @@
+#include "services/kvstore/kvstore_service.h"
+
+#include <vector>
+
+#include "services/common/grpc_status.h"
+
+namespace tandem::kvstore {
+
+v1::KvTier ToProtoTier(TierKind k) {
+  switch (k) {
+    case TierKind::kDevice:
+      return v1::KV_TIER_DEVICE;
+    case TierKind::kHost:
+      return v1::KV_TIER_HOST;
+    case TierKind::kSsd:
+      return v1::KV_TIER_SSD;
+  }
+  return v1::KV_TIER_UNSPECIFIED;
+}
+
+grpc::Status KvStoreService::Lookup(grpc::ServerContext*, const v1::KvLookupRequest* req,
+                                    v1::KvLookupResponse* resp) {
+  const std::vector<uint64_t> hashes(req->block_hashes().begin(), req->block_hashes().end());
+  const PrefixMatch m = store_->LookupPrefix(hashes);
+  resp->set_matched(m.matched);
+  for (TierKind t : m.tiers) resp->add_tiers(ToProtoTier(t));
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Put(grpc::ServerContext*, const v1::KvPutRequest* req,
+                                 v1::KvPutResponse* resp) {
+  for (const v1::KvBlock& b : req->blocks()) {
+    const auto* p = reinterpret_cast<const uint8_t*>(b.data().data());
+    absl::Status st = store_->Put(b.hash(), std::span<const uint8_t>(p, b.data().size()));
+    if (!st.ok()) return services::ToGrpcStatus(st);
+    resp->set_stored(resp->stored() + 1);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Get(grpc::ServerContext*, const v1::KvGetRequest* req,
+                                 v1::KvGetResponse* resp) {
+  for (uint64_t h : req->block_hashes()) {
+    // Where first: Get may promote the block, and the reply says where it was found.
+    const std::optional<TierKind> where = store_->Where(h);
+    absl::StatusOr<std::vector<uint8_t>> data = store_->Get(h);
+    if (!data.ok()) {
+      if (absl::IsDataLoss(data.status())) {
+        resp->set_integrity_failures(resp->integrity_failures() + 1);
+        break;
+      }
+      if (absl::IsNotFound(data.status())) break;
+      return services::ToGrpcStatus(data.status());
+    }
+    v1::KvBlock* b = resp->add_blocks();
+    b->set_hash(h);
+    b->set_data(data->data(), data->size());
+    if (where.has_value()) b->set_tier(ToProtoTier(*where));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Stats(grpc::ServerContext*, const v1::KvStatsRequest*,
+                                   v1::KvStatsResponse* resp) {
+  const TieredStoreStats s = store_->stats();
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (store_->tier(static_cast<TierKind>(t)) == nullptr) continue;
+    const TierStats& ts = s.tiers[t];
+    v1::KvTierStats* out = resp->add_tiers();
+    out->set_tier(TierKindName(static_cast<TierKind>(t)));
+    out->set_backend(ts.name);
+    out->set_capacity_bytes(ts.capacity_bytes);
+    out->set_used_bytes(ts.used_bytes);
+    out->set_blocks(ts.blocks);
+    out->set_hits(ts.hits);
+    out->set_misses(ts.misses);
+    out->set_integrity_failures(ts.integrity_failures);
+    out->set_demoted_in(ts.demoted_in);
+    out->set_promoted_out(ts.promoted_out);
+    out->set_evicted(ts.evicted);
+  }
+  resp->set_puts(s.puts);
+  resp->set_gets(s.gets);
+  resp->set_dropped_cold(s.dropped_cold);
+  return grpc::Status::OK;
+}
+
+}  // namespace tandem::kvstore

@@ -1,0 +1,127 @@
+// The tiered KV store: blocks named by chained block hash, kept in the fastest tier that has
+// room, moved down as they cool and back up when they are used.
+//
+// Placement: a Put lands in the top tier (device). When a tier's usage passes its high
+// watermark (or a new block does not fit), its least recently used blocks are demoted until
+// usage is back under the low watermark: device -> host -> SSD. A block is written to SSD only
+// once it has been hit at least `ssd_min_hits` times, so one-off prefixes do not wear the disk
+// or push out useful blocks; below that it is dropped. A hit in host or SSD promotes the block
+// to the device tier. Device and host hold a block in at most one of them; SSD keeps its copy
+// on promotion (the file is the durable copy, and a later demotion of an unchanged block then
+// needs no write). SSD contents are re-indexed on start, so blocks survive restarts.
+//
+// Threading: thread-safe; one mutex serialises every call (SSD I/O included, which is fine for
+// a control plane; a data plane would want per-tier queues).
+// Errors: Get gives NOT_FOUND for an unknown block and DATA_LOSS when the only copy failed its
+// integrity check (it is dropped; the block is then simply missing). Put gives INVALID_ARGUMENT
+// for an empty block or one larger than a device slot.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "services/kvstore/ssd_tier.h"
+#include "services/kvstore/tier.h"
+
+namespace tandem::kvstore {
+
+struct TierConfig {
+  uint64_t capacity_bytes = 0;   // 0 disables the tier (not allowed for device)
+  double high_watermark = 0.95;  // fraction of capacity that triggers demotion
+  double low_watermark = 0.80;   // fraction demotion brings usage back to
+};
+
+struct TieredStoreConfig {
+  TierConfig device{64ull << 20};
+  TierConfig host{256ull << 20};
+  TierConfig ssd{0};
+  uint64_t device_slot_bytes = 64 << 10;  // largest block the store accepts
+  std::string ssd_dir;                    // required when ssd.capacity_bytes > 0
+  int32_t ssd_min_hits = 1;               // hits a block needs before a demotion writes it to SSD
+  bool ssd_use_io_uring = true;
+  bool ssd_fsync = false;
+};
+
+struct TierStats {
+  std::string name;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  int64_t blocks = 0;
+  int64_t hits = 0;    // Gets served from this tier
+  int64_t misses = 0;  // Gets that looked past this tier (not in it)
+  int64_t integrity_failures = 0;
+  int64_t demoted_in = 0;    // blocks that arrived from the tier above
+  int64_t promoted_out = 0;  // blocks copied to the top after a hit here
+  int64_t evicted = 0;       // blocks that left this tier for lower tiers or for good
+};
+
+struct TieredStoreStats {
+  std::array<TierStats, kNumTiers> tiers;  // indexed by TierKind
+  int64_t puts = 0;
+  int64_t gets = 0;
+  int64_t dropped_cold = 0;  // demotions to SSD skipped by the frequency filter
+};
+
+struct PrefixMatch {
+  int32_t matched = 0;          // leading hashes present
+  std::vector<TierKind> tiers;  // where each matched block is now (fastest copy)
+};
+
+class TieredStore {
+ public:
+  // INVALID_ARGUMENT for a bad config (no device capacity, watermarks out of order, an SSD
+  // capacity without a directory); the SSD tier's errors when its directory cannot be opened.
+  static absl::StatusOr<std::unique_ptr<TieredStore>> Create(const TieredStoreConfig& c);
+
+  absl::Status Put(uint64_t hash, std::span<const uint8_t> data);
+  absl::StatusOr<std::vector<uint8_t>> Get(uint64_t hash);
+  bool Contains(uint64_t hash) const;
+  absl::Status Erase(uint64_t hash);
+  // How many leading `hashes` are stored, and where. Does not count hits or move blocks.
+  PrefixMatch LookupPrefix(std::span<const uint64_t> hashes) const;
+  std::optional<TierKind> Where(uint64_t hash) const;
+  TieredStoreStats stats() const;
+  // Null for a disabled tier. For inspection (names, tests) while no other thread uses the
+  // store: the tier itself is not locked.
+  const Tier* tier(TierKind k) const { return tiers_[static_cast<int>(k)].get(); }
+
+ private:
+  struct Block {
+    uint64_t payload = 0;
+    int32_t hits = 0;
+    // Membership and LRU position per tier.
+    std::array<bool, kNumTiers> in{};
+    std::array<std::list<uint64_t>::iterator, kNumTiers> lru_it{};
+  };
+  explicit TieredStore(const TieredStoreConfig& c);
+  TierConfig& config(int t) { return t == 0 ? c_.device : t == 1 ? c_.host : c_.ssd; }
+  int Top(const Block& b) const;
+  void Touch(int t, uint64_t hash, Block& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Forget(int t, uint64_t hash, Block& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places the block in tier t (or the next enabled one below), making room first.
+  absl::Status Place(int t, uint64_t hash, std::span<const uint8_t> data)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Demotes LRU blocks of tier t until `need` more bytes fit, and, when `to_low`, until usage
+  // is at or under the low watermark.
+  void MakeRoom(int t, uint64_t need, bool to_low) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Demote(int t, uint64_t hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropIfHomeless(uint64_t hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  TieredStoreConfig c_;
+  mutable absl::Mutex mu_;
+  std::array<std::unique_ptr<Tier>, kNumTiers> tiers_;
+  absl::flat_hash_map<uint64_t, Block> blocks_ ABSL_GUARDED_BY(mu_);
+  std::array<std::list<uint64_t>, kNumTiers> lru_ ABSL_GUARDED_BY(mu_);  // front: coldest
+  TieredStoreStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tandem::kvstore

@@ -1,0 +1,315 @@
+// The TieredStore's policy: LRU demotion device -> host -> SSD at the watermarks, the
+// frequency filter in front of SSD, promotion on a hit, prefix lookup, restart and integrity.
+#include "services/kvstore/tiered_store.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <map>
+#include <random>
+#include <thread>
+
+#include "engine/kv/block_pool.h"
+#include "gtest/gtest.h"
+#include "services/kvstore/metrics.h"
+#include "tests/unit/kvstore/test_util.h"
+
+namespace tandem::kvstore {
+namespace {
+
+using testing::RandomBytes;
+using testing::ScratchDir;
+
+constexpr uint64_t kSlot = 1024;
+constexpr size_t kPayload = 1000;
+
+// Device: 4 slots. Host: 4 blocks. SSD: plenty. Watermarks at 100% (pure LRU) unless changed.
+TieredStoreConfig SmallConfig(const std::string& dir) {
+  TieredStoreConfig c;
+  c.device_slot_bytes = kSlot;
+  c.device = {4 * kSlot, 1.0, 1.0};
+  c.host = {4 * kPayload, 1.0, 1.0};
+  c.ssd = {1 << 20, 1.0, 1.0};
+  c.ssd_dir = dir;
+  c.ssd_min_hits = 1;
+  return c;
+}
+
+class TieredStoreTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<TieredStore> Make(const TieredStoreConfig& c) {
+    auto s = TieredStore::Create(c);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return std::move(*s);
+  }
+  // Puts block i (hash 1000 + i) with fresh random bytes and remembers them.
+  void PutBlock(TieredStore& s, int i) {
+    want_[Hash(i)] = RandomBytes(rng_, kPayload);
+    ASSERT_TRUE(s.Put(Hash(i), want_[Hash(i)]).ok());
+  }
+  static uint64_t Hash(int i) { return 1000 + i; }
+  std::optional<TierKind> Where(const TieredStore& s, int i) { return s.Where(Hash(i)); }
+
+  ScratchDir dir_;
+  std::mt19937_64 rng_{11};
+  std::map<uint64_t, std::vector<uint8_t>> want_;
+};
+
+TEST_F(TieredStoreTest, RoundTripLandsOnTheTopTier) {
+  auto s = Make(SmallConfig(dir_.path()));
+  for (int i = 0; i < 3; ++i) PutBlock(*s, i);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Where(*s, i), TierKind::kDevice);
+    auto got = s->Get(Hash(i));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, want_[Hash(i)]);
+  }
+  EXPECT_EQ(s->Get(42).status().code(), absl::StatusCode::kNotFound);
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[0].hits, 3);
+  EXPECT_EQ(st.tiers[0].misses, 1);
+  EXPECT_EQ(st.tiers[2].misses, 1);
+  EXPECT_EQ(st.tiers[0].blocks, 3);
+  EXPECT_EQ(st.tiers[0].used_bytes, 3 * kSlot);
+  EXPECT_NE(st.tiers[0].name.find("device-emulated"), std::string::npos);
+  EXPECT_EQ(st.puts, 3);
+  EXPECT_EQ(st.gets, 4);
+}
+
+TEST_F(TieredStoreTest, DemotesLruDownwardsAndFiltersColdBlocksFromSsd) {
+  auto s = Make(SmallConfig(dir_.path()));
+  for (int i = 0; i < 4; ++i) PutBlock(*s, i);
+  // Touch block 1 twice so it is hot enough for SSD and recent; block 0 is never read.
+  ASSERT_TRUE(s->Get(Hash(1)).ok());
+  ASSERT_TRUE(s->Get(Hash(1)).ok());
+  // Block 4 pushes the least recently used (0) to host.
+  PutBlock(*s, 4);
+  EXPECT_EQ(Where(*s, 0), TierKind::kHost);
+  EXPECT_EQ(Where(*s, 1), TierKind::kDevice);
+  // Four more: device keeps the newest four; host takes 2, 3, 1 and 4 in LRU order, so 0
+  // (never hit) falls off host and is dropped, not written to SSD.
+  for (int i = 5; i < 9; ++i) PutBlock(*s, i);
+  for (int i = 5; i < 9; ++i) EXPECT_EQ(Where(*s, i), TierKind::kDevice) << i;
+  EXPECT_EQ(Where(*s, 0), std::nullopt);
+  EXPECT_EQ(s->stats().dropped_cold, 1);
+  // One more: host evicts 2 (cold, dropped) ... then 3 (cold) and 1 (hot) as more arrive.
+  for (int i = 9; i < 12; ++i) PutBlock(*s, i);
+  EXPECT_EQ(Where(*s, 1), TierKind::kSsd);
+  EXPECT_EQ(Where(*s, 2), std::nullopt);
+  EXPECT_EQ(Where(*s, 3), std::nullopt);
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.dropped_cold, 3);
+  EXPECT_EQ(st.tiers[1].demoted_in, 8);
+  EXPECT_EQ(st.tiers[2].demoted_in, 1);
+  EXPECT_EQ(st.tiers[2].blocks, 1);
+  EXPECT_EQ(st.tiers[0].blocks, 4);
+  EXPECT_EQ(st.tiers[1].blocks, 4);
+  // Every block still stored reads back exactly.
+  for (const auto& [h, bytes] : want_) {
+    if (!s->Contains(h)) continue;
+    auto got = s->Get(h);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, bytes);
+  }
+}
+
+TEST_F(TieredStoreTest, HitsInLowerTiersPromoteToTheTop) {
+  auto s = Make(SmallConfig(dir_.path()));
+  PutBlock(*s, 0);
+  ASSERT_TRUE(s->Get(Hash(0)).ok());  // hot: may go to SSD
+  for (int i = 1; i < 9; ++i) PutBlock(*s, i);
+  ASSERT_EQ(Where(*s, 0), TierKind::kSsd);
+  ASSERT_EQ(Where(*s, 5), TierKind::kDevice);
+  ASSERT_EQ(Where(*s, 2), TierKind::kHost);
+
+  // Host hit: moves up, leaves host.
+  auto from_host = s->Get(Hash(2));
+  ASSERT_TRUE(from_host.ok());
+  EXPECT_EQ(*from_host, want_[Hash(2)]);
+  EXPECT_EQ(Where(*s, 2), TierKind::kDevice);
+  EXPECT_FALSE(s->tier(TierKind::kHost)->Contains(Hash(2)));
+  // SSD hit: moves up and the SSD keeps its durable copy.
+  auto from_ssd = s->Get(Hash(0));
+  ASSERT_TRUE(from_ssd.ok());
+  EXPECT_EQ(*from_ssd, want_[Hash(0)]);
+  EXPECT_EQ(Where(*s, 0), TierKind::kDevice);
+  EXPECT_TRUE(s->tier(TierKind::kSsd)->Contains(Hash(0)));
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[1].hits, 1);
+  EXPECT_EQ(st.tiers[1].promoted_out, 1);
+  EXPECT_EQ(st.tiers[2].hits, 1);
+  EXPECT_EQ(st.tiers[2].promoted_out, 1);
+  EXPECT_EQ(st.tiers[0].misses, 2);
+  EXPECT_EQ(st.tiers[1].misses, 1);  // the SSD read looked past host
+  EXPECT_EQ(st.tiers[0].blocks, 4);  // promotions demoted others to make room
+}
+
+TEST_F(TieredStoreTest, WatermarksDemoteDownToTheLowMark) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.device = {4 * kSlot, 0.75, 0.5};
+  auto s = Make(c);
+  for (int i = 0; i < 3; ++i) PutBlock(*s, i);
+  EXPECT_EQ(s->stats().tiers[0].blocks, 3);  // 75% is not above the high mark
+  PutBlock(*s, 3);                           // 100%: back down to 50%
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[0].blocks, 2);
+  EXPECT_EQ(st.tiers[1].blocks, 2);
+  EXPECT_EQ(Where(*s, 0), TierKind::kHost);
+  EXPECT_EQ(Where(*s, 1), TierKind::kHost);
+  EXPECT_EQ(Where(*s, 3), TierKind::kDevice);
+}
+
+TEST_F(TieredStoreTest, LookupPrefixReportsTheLeadingRunAndItsTiers) {
+  auto s = Make(SmallConfig(dir_.path()));
+  // Real chained hashes of a token sequence: 6 blocks.
+  std::vector<int32_t> tokens(96);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(rng_() % 32000);
+  const std::vector<uint64_t> h = engine::ComputeBlockHashes(tokens, 16, /*salt=*/5);
+  ASSERT_EQ(h.size(), 6u);
+  for (int i = 0; i < 5; ++i) {
+    const auto bytes = RandomBytes(rng_, kPayload);
+    ASSERT_TRUE(s->Put(h[i], bytes).ok());
+  }
+  // 5 blocks in a 4-slot device: h[0] went to host.
+  PrefixMatch m = s->LookupPrefix(h);
+  EXPECT_EQ(m.matched, 5);
+  ASSERT_EQ(m.tiers.size(), 5u);
+  EXPECT_EQ(m.tiers[0], TierKind::kHost);
+  for (int i = 1; i < 5; ++i) EXPECT_EQ(m.tiers[i], TierKind::kDevice);
+  ASSERT_TRUE(s->Erase(h[2]).ok());
+  m = s->LookupPrefix(h);
+  EXPECT_EQ(m.matched, 2);  // the run stops at the first gap
+  EXPECT_EQ(s->LookupPrefix(std::vector<uint64_t>{h[5], h[0]}).matched, 0);
+  // Another salt gives other hashes: nothing matches.
+  EXPECT_EQ(s->LookupPrefix(engine::ComputeBlockHashes(tokens, 16, 6)).matched, 0);
+}
+
+TEST_F(TieredStoreTest, SsdBlocksSurviveARestart) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;  // everything demoted from host goes to SSD
+  {
+    auto s = Make(c);
+    for (int i = 0; i < 12; ++i) PutBlock(*s, i);
+    EXPECT_EQ(s->stats().tiers[2].blocks, 4);  // 0..3 went all the way down
+  }
+  auto s = Make(c);
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[2].blocks, 4);
+  EXPECT_EQ(st.tiers[0].blocks, 0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(Where(*s, i), TierKind::kSsd) << i;
+    auto got = s->Get(Hash(i));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, want_[Hash(i)]);
+  }
+  EXPECT_EQ(Where(*s, 5), std::nullopt);  // memory tiers do not survive, by design
+}
+
+TEST_F(TieredStoreTest, CorruptSsdBlockIsAMissAndCounted) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  for (int i = 0; i < 9; ++i) PutBlock(*s, i);
+  ASSERT_EQ(Where(*s, 0), TierKind::kSsd);
+  const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
+  {
+    const int fd = open(ssd->PathFor(Hash(0)).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    uint8_t b;
+    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 500), 1);
+    b = static_cast<uint8_t>(~b);
+    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 500), 1);
+    close(fd);
+  }
+  auto got = s->Get(Hash(0));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
+  EXPECT_FALSE(s->Contains(Hash(0)));
+  EXPECT_EQ(s->Get(Hash(0)).status().code(), absl::StatusCode::kNotFound);
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[2].integrity_failures, 1);
+  EXPECT_EQ(st.tiers[0].integrity_failures, 0);
+  EXPECT_EQ(*s->Get(Hash(8)), want_[Hash(8)]);
+}
+
+TEST_F(TieredStoreTest, WithoutHostDeviceDemotesStraightToSsd) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.host.capacity_bytes = 0;
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  for (int i = 0; i < 6; ++i) PutBlock(*s, i);
+  EXPECT_EQ(s->tier(TierKind::kHost), nullptr);
+  EXPECT_EQ(Where(*s, 0), TierKind::kSsd);
+  EXPECT_EQ(Where(*s, 1), TierKind::kSsd);
+  EXPECT_EQ(*s->Get(Hash(1)), want_[Hash(1)]);
+}
+
+TEST_F(TieredStoreTest, RejectsBadConfigsAndBlocks) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.device.low_watermark = 0.9;
+  c.device.high_watermark = 0.5;
+  EXPECT_EQ(TieredStore::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = SmallConfig("");
+  EXPECT_EQ(TieredStore::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = SmallConfig(dir_.path());
+  c.device.capacity_bytes = 0;
+  EXPECT_EQ(TieredStore::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  auto s = Make(SmallConfig(dir_.path()));
+  EXPECT_EQ(s->Put(1, std::vector<uint8_t>(kSlot + 1, 3)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->Put(1, {}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->Erase(99).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(TieredStoreTest, ConcurrentCallersSeeConsistentBlocks) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  // Each thread owns its hashes; blocks churn through every tier while the others run.
+  auto work = [&](int id, int* errors) {
+    std::mt19937_64 rng(100 + id);
+    std::map<uint64_t, std::vector<uint8_t>> mine;
+    for (int i = 0; i < 60; ++i) {
+      const uint64_t h = (uint64_t(id) << 32) | (rng() % 12);
+      if (rng() % 2 == 0 || !mine.contains(h)) {
+        mine[h] = RandomBytes(rng, 200 + rng() % 800);
+        if (!s->Put(h, mine[h]).ok()) ++*errors;
+      } else {
+        auto got = s->Get(h);
+        // A block may have fallen off the bottom; one that is served must be exact.
+        if (got.ok() && *got != mine[h]) ++*errors;
+        if (!got.ok() && !absl::IsNotFound(got.status())) ++*errors;
+      }
+    }
+  };
+  std::vector<int> errors(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back(work, t, &errors[t]);
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(errors[t], 0) << "thread " << t;
+  const TieredStoreStats st = s->stats();
+  EXPECT_LE(st.tiers[0].used_bytes, st.tiers[0].capacity_bytes);
+  EXPECT_LE(st.tiers[1].used_bytes, st.tiers[1].capacity_bytes);
+  EXPECT_GT(st.tiers[2].demoted_in, 0);
+}
+
+TEST_F(TieredStoreTest, MetricsTextCarriesTheDesignNames) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.host.capacity_bytes = 0;  // a disabled tier has no series
+  auto s = Make(c);
+  for (int i = 0; i < 3; ++i) PutBlock(*s, i);
+  const std::string text = PrometheusText(s->stats(), "stories\"260K");
+  EXPECT_NE(text.find("# TYPE tandem:kvstore_tier_bytes gauge"), std::string::npos) << text;
+  EXPECT_NE(text.find("tandem:kvstore_tier_bytes{model_name=\"stories\\\"260K\",role=\"kvstore\","
+                      "tier=\"device\"} 3072\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("tier=\"ssd\"} 0\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("tier=\"host\""), std::string::npos) << text;
+  EXPECT_NE(text.find("tandem:kv_integrity_failures_total{model_name=\"stories\\\"260K\","
+                      "role=\"kvstore\"} 0\n"),
+            std::string::npos)
+      << text;
+}
+
+}  // namespace
+}  // namespace tandem::kvstore
