@@ -15,18 +15,22 @@
 //   kernel   one thread, no pool: the first --kernel-kib KiB of rows of layer 0's gate matrix
 //            (small enough to stay in L2) multiplied by --matmul-batch rows again and again: the
 //            matmul kernel's compute ceiling, to set against the DRAM roofline.
-//   pool     cost of one ThreadPool::ParallelFor hand-off with a trivial body (microseconds).
+//   pool     cost of one ThreadPool::RunOnAll hand-off with a trivial body (microseconds), with
+//            the default spin before sleeping and with none (every wait a futex sleep).
 //
 // Every mode first runs a small untimed case (it faults in the mapped weights and grows the
 // scratch buffers), then --reps timed repetitions; the JSON on stdout holds every repetition and the median. Not a test: it
 // measures, the comparison with llama.cpp lives in run.sh.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -283,11 +287,10 @@ KernelRate KernelOnce(const engine::WeightView& w, int64_t rows, MatmulSweep& s)
 
 double PoolOverheadUs(util::ThreadPool& pool) {
   constexpr int kCalls = 20000;
-  volatile int64_t sink = 0;
+  std::atomic<int64_t> sink{0};
+  const std::function<void(int)> body = [&](int t) { sink.fetch_add(t + 1); };
   const auto t0 = Clock::now();
-  for (int i = 0; i < kCalls; ++i) {
-    pool.ParallelFor(pool.num_threads(), [&](int64_t b, int64_t e, int) { sink = sink + e - b; });
-  }
+  for (int i = 0; i < kCalls; ++i) pool.RunOnAll(body);
   return SecondsSince(t0) * 1e6 / kCalls;
 }
 
@@ -384,11 +387,18 @@ absl::Status Run(const Options& o) {
                      {"weight_kib", rows * row_bytes / 1024}, {"weight_gb_per_s", Series(gbps)},
                      {"gmac_per_s", Series(gmacs)}};
     } else if (mode == "pool") {
-      util::ThreadPool pool(o.threads);
-      PoolOverheadUs(pool);
-      std::vector<double> us;
-      for (int r = 0; r < o.reps; ++r) us.push_back(PoolOverheadUs(pool));
-      j["pool"] = {{"parallel_for_us", Series(us)}};
+      std::vector<double> us, sleep_us;
+      {
+        util::ThreadPool pool(o.threads);
+        PoolOverheadUs(pool);
+        for (int r = 0; r < o.reps; ++r) us.push_back(PoolOverheadUs(pool));
+      }
+      {
+        util::ThreadPool pool(o.threads, std::chrono::nanoseconds(0));
+        PoolOverheadUs(pool);
+        for (int r = 0; r < o.reps; ++r) sleep_us.push_back(PoolOverheadUs(pool));
+      }
+      j["pool"] = {{"run_on_all_us", Series(us)}, {"run_on_all_no_spin_us", Series(sleep_us)}};
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown mode '", mode,
                                                      "' (decode, prefill, batch, matmul, kernel, pool)"));

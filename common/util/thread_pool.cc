@@ -2,38 +2,73 @@
 
 #include <algorithm>
 
-namespace tandem::util {
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
-ThreadPool::ThreadPool(int num_threads) : num_threads_(std::max(1, num_threads)) {
+namespace tandem::util {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Spins until pred() holds or *budget has passed; returns pred()'s last value. The budget
+// adapts: it grows (up to `limit`) when spinning pays off and shrinks towards a floor when it
+// does not, as happens when the machine is oversubscribed and the thread being waited for is
+// not running; then the waits sleep almost at once instead of burning the slice it needs. The
+// clock is read every 64 polls only.
+template <typename Pred>
+bool SpinFor(std::chrono::nanoseconds limit, int64_t* budget, Pred pred) {
+  if (limit.count() <= 0) return pred();
+  const int64_t floor = std::max<int64_t>(1, limit.count() / 32);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::nanoseconds(*budget);
+  for (int i = 1;; ++i) {
+    if (pred()) {
+      *budget = std::min<int64_t>(limit.count(), *budget * 2);
+      return true;
+    }
+    CpuRelax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
+      const bool done = pred();
+      *budget = std::max<int64_t>(floor, done ? *budget : *budget / 4);
+      return done;
+    }
+  }
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads, std::chrono::nanoseconds spin)
+    : num_threads_(std::max(1, num_threads)), spin_(spin), caller_budget_(spin.count()) {
   workers_.reserve(num_threads_ - 1);
   for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  work_cv_.notify_all();
+  stop_ = true;
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
+  int64_t budget = spin_.count();
   for (;;) {
-    const std::function<void(int)>* job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      job = job_;
+    uint64_t g = seen;
+    SpinFor(spin_, &budget, [&] { return (g = generation_.load(std::memory_order_acquire)) != seen; });
+    while (g == seen) {
+      generation_.wait(seen, std::memory_order_acquire);
+      g = generation_.load(std::memory_order_acquire);
     }
-    (*job)(index);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
-    }
+    seen = g;
+    if (stop_) return;
+    (*job_)(index);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
   }
 }
 
@@ -42,16 +77,17 @@ void ThreadPool::RunOnAll(const std::function<void(int)>& fn) {
     fn(0);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    pending_ = num_threads_ - 1;
-    ++generation_;
-  }
-  work_cv_.notify_all();
+  job_ = &fn;
+  pending_.store(num_threads_ - 1, std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
   fn(0);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  int left = 0;
+  SpinFor(spin_, &caller_budget_, [&] { return (left = pending_.load(std::memory_order_acquire)) == 0; });
+  while (left != 0) {
+    pending_.wait(left, std::memory_order_acquire);
+    left = pending_.load(std::memory_order_acquire);
+  }
   job_ = nullptr;
 }
 
