@@ -56,6 +56,7 @@ struct Flags {
   std::string progress = "adaptive";  // adaptive | blocking | polling
   uint64_t am_rndv_threshold = 64 << 10;
   std::string ucx_config;  // KEY=VALUE[,KEY=VALUE...] passed to ucp_config_modify
+  bool inline_writes = true;  // UcxTransportOptions::inline_writes (0: always via the thread)
 };
 
 std::vector<uint64_t> ParseList(const char* s) {
@@ -92,6 +93,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (k == "--progress") f.progress = v;
     else if (k == "--am-rndv-threshold") f.am_rndv_threshold = std::strtoull(v, nullptr, 10);
     else if (k == "--ucx-config") f.ucx_config = v;
+    else if (k == "--inline") f.inline_writes = std::strcmp(v, "1") == 0;
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       std::exit(2);
@@ -108,6 +110,7 @@ std::unique_ptr<KvTransport> MakeTransport(const Flags& f) {
   if (f.progress == "blocking") o.progress_mode = UcxTransportOptions::ProgressMode::kBlocking;
   if (f.progress == "polling") o.progress_mode = UcxTransportOptions::ProgressMode::kPolling;
   o.am_rndv_threshold = f.am_rndv_threshold;
+  o.inline_writes = f.inline_writes;
   std::string cfg = f.ucx_config;
   while (!cfg.empty()) {
     size_t comma = cfg.find(',');

@@ -15,9 +15,11 @@
 //
 // Ownership: the caller owns all memory. Registered memory must stay mapped until Deregister
 // returns. Source buffers of a write must stay unchanged until its callback has run.
-// Threading: every method is thread-safe. Callbacks run on the transport's progress thread and
-// must not block; they may call WriteAsync again. The progress thread sleeps when idle (no
-// busy polling), so an idle worker costs no CPU.
+// Threading: every method is thread-safe. Callbacks run on the transport's progress thread, or
+// on the caller's thread before WriteAsync returns when the write completed at once (UCX puts
+// into shared memory), so a caller must not hold across WriteAsync a lock its callback takes.
+// Callbacks must not block; they may call WriteAsync again. The progress thread sleeps when
+// idle (no busy polling), so an idle worker costs no CPU.
 // Errors: an unreachable or dead peer, a bad descriptor or an out-of-range write is a Status,
 // delivered through the callback; nothing here aborts the process.
 #pragma once

@@ -1,15 +1,63 @@
 #include "services/common/grpc_server.h"
 
+#include <atomic>
+#include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "services/common/grpc_status.h"
 
 namespace tandem::services {
+
+// Counts the calls a server is serving: one interceptor per call, created when gRPC matches the
+// call to a handler and destroyed with the call's context after its status went out.
+namespace internal {
+struct CallCounter {
+  std::atomic<int> in_flight{0};
+};
+}  // namespace internal
+
+namespace {
+
+using internal::CallCounter;
+
+class CountingInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit CountingInterceptor(std::shared_ptr<CallCounter> c) : c_(std::move(c)) {
+    c_->in_flight.fetch_add(1);
+  }
+  ~CountingInterceptor() override { c_->in_flight.fetch_sub(1); }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    methods->Proceed();
+  }
+
+ private:
+  std::shared_ptr<CallCounter> c_;
+};
+
+class CountingInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit CountingInterceptorFactory(std::shared_ptr<CallCounter> c) : c_(std::move(c)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    // A health Watch lasts as long as its client likes; it must not hold up a shutdown.
+    if (std::strcmp(info->method(), "/grpc.health.v1.Health/Watch") == 0) return nullptr;
+    return new CountingInterceptor(c_);
+  }
+
+ private:
+  std::shared_ptr<CallCounter> c_;
+};
+
+}  // namespace
 
 std::string JoinHostPort(const std::string& host, int port) {
   if (host.find(':') != std::string::npos && host.front() != '[') {
@@ -35,17 +83,27 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   builder.SetMaxReceiveMessageSize(o.max_message_bytes);
   builder.SetMaxSendMessageSize(o.max_message_bytes);
   for (grpc::Service* s : o.services) builder.RegisterService(s);
+  auto calls = std::make_shared<CallCounter>();
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<CountingInterceptorFactory>(calls));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", want, " (address in use or not local?)"));
   }
   return std::unique_ptr<GrpcServer>(
-      new GrpcServer(std::move(server), bound, JoinHostPort(o.host, bound)));
+      new GrpcServer(std::move(server), std::move(calls), bound, JoinHostPort(o.host, bound)));
 }
 
-GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, int port, std::string address)
-    : server_(std::move(server)), port_(port), address_(std::move(address)) {}
+GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::shared_ptr<CallCounter> calls,
+                       int port, std::string address)
+    : server_(std::move(server)),
+      calls_(std::move(calls)),
+      port_(port),
+      address_(std::move(address)) {}
+
+int GrpcServer::calls_in_flight() const { return calls_->in_flight.load(); }
 
 GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }
 
@@ -54,7 +112,22 @@ void GrpcServer::Shutdown(absl::Duration grace) {
     if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService()) {
       h->SetServingStatus(false);
     }
-    server_->Shutdown(ToChronoDeadline(absl::Now() + grace));
+    // grpc::Server::Shutdown waits, up to its deadline, for every client connection to close
+    // after its GOAWAY as well as for the calls; an idle client only reads the GOAWAY at its
+    // next backup poll, seconds later. So it runs on a helper thread while this one watches the
+    // calls: once none is in flight, the connections are closed from this side.
+    const absl::Time deadline = absl::Now() + grace;
+    absl::Notification done;
+    std::thread shutdown([&] {
+      server_->Shutdown(ToChronoDeadline(deadline));
+      done.Notify();
+    });
+    while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
+      // Calling this before the helper thread began the shutdown is harmless: it only cuts
+      // connections, and the next turn calls it again.
+      if (calls_->in_flight.load() == 0) grpc_server_cancel_all_calls(server_->c_server());
+    }
+    shutdown.join();
   });
   server_->Wait();
 }

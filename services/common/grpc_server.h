@@ -25,6 +25,10 @@ class Service;
 
 namespace tandem::services {
 
+namespace internal {
+struct CallCounter;  // grpc_server.cc
+}  // namespace internal
+
 struct GrpcServerOptions {
   std::string host = "127.0.0.1";  // "0.0.0.0" or "[::]" to listen on every interface
   int port = 0;                    // 0: the kernel picks a free port; port() says which
@@ -44,14 +48,22 @@ class GrpcServer {
   const std::string& address() const { return address_; }
 
   // Stops accepting calls and marks the health service NOT_SERVING; calls in flight get up to
-  // `grace` to finish, then are cancelled. Returns when every handler has returned. Idempotent.
+  // `grace` to finish, then are cancelled. Returns as soon as no call is in flight (at most
+  // `grace` plus the time handlers take to see the cancellation): idle client connections do
+  // not hold it up. Returns when every handler has returned. Idempotent.
   void Shutdown(absl::Duration grace);
+  // Calls being served now (health Watch streams, which last as long as their client wants,
+  // are not counted).
+  int calls_in_flight() const;
   // Blocks until Shutdown has completed.
   void Wait();
 
  private:
-  GrpcServer(std::unique_ptr<grpc::Server> server, int port, std::string address);
+  using CallCounter = internal::CallCounter;
+  GrpcServer(std::unique_ptr<grpc::Server> server, std::shared_ptr<CallCounter> calls, int port,
+             std::string address);
   std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<CallCounter> calls_;
   int port_;
   std::string address_;
   std::once_flag shutdown_once_;

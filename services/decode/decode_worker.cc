@@ -31,6 +31,9 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   if (o.default_lease <= absl::ZeroDuration() || o.max_lease < o.default_lease) {
     return absl::InvalidArgumentError("leases: need 0 < default_lease <= max_lease");
   }
+  if (o.quarantine < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("quarantine must be >= 0");
+  }
   // The whole pool is one region, registered once: every reservation is a set of offsets into
   // it, so requests cost no registration. Where the transport can allocate memory that peers
   // write most cheaply (UCX: shared memory a local peer maps, so a put is one memcpy), the pool
@@ -126,17 +129,19 @@ void DecodeWorker::Loop() {
     {
       absl::MutexLock l(&mu_);
       if (!busy) {
-        // Idle: sleep until a command arrives or the next lease runs out.
+        // Idle: sleep until a command arrives, a lease runs out or a quarantine ends.
         auto ready = [this]()
                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !inbox_.empty(); };
-        mu_.AwaitWithDeadline(absl::Condition(&ready), NextExpiry());
+        mu_.AwaitWithDeadline(absl::Condition(&ready), NextWake());
       }
       cmds.swap(inbox_);
       stopping = stop_;
     }
     for (auto& c : cmds) c();
     if (stopping) break;
-    ReapExpired(absl::Now());
+    const absl::Time now = absl::Now();
+    ReapExpired(now);
+    ReleaseQuarantine(now);
     if (o_.before_step && (scheduler_->num_running() > 0 || scheduler_->num_waiting() > 0)) {
       o_.before_step();
     }
@@ -149,8 +154,12 @@ void DecodeWorker::Loop() {
   std::vector<std::string> ids;
   for (const auto& [id, unused] : active_) ids.push_back(id);
   for (const std::string& id : ids) scheduler_->Cancel(id);
+  // Quarantined blocks too: the pool goes away with the worker, so no later request can be
+  // handed one.
   for (auto& [id, r] : reservations_) FreeBlocks(r.blocks);
   reservations_.clear();
+  for (Quarantined& q : quarantine_) FreeBlocks(q.blocks);
+  quarantine_.clear();
   PublishStats();
 }
 
@@ -161,7 +170,12 @@ void DecodeWorker::FreeBlocks(const std::vector<int32_t>& blocks) {
 void DecodeWorker::ReapExpired(absl::Time now) {
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     if (it->second.expires <= now) {
-      FreeBlocks(it->second.blocks);
+      // The prefill writing into these blocks may be slow rather than dead.
+      Reservation& r = it->second;
+      Quarantine(
+          it->first, std::move(r.blocks),
+          absl::StrCat("expired at ", absl::FormatTime(r.expires, absl::UTCTimeZone()), " (lease ",
+                       absl::ToInt64Milliseconds(r.lease), " ms) before Decode claimed it"));
       reservations_.erase(it++);
     } else {
       ++it;
@@ -169,9 +183,27 @@ void DecodeWorker::ReapExpired(absl::Time now) {
   }
 }
 
-absl::Time DecodeWorker::NextExpiry() const {
+void DecodeWorker::Quarantine(std::string request_id, std::vector<int32_t> blocks,
+                              std::string why) {
+  Quarantined q;
+  q.request_id = std::move(request_id);
+  q.blocks = std::move(blocks);
+  q.why = std::move(why);
+  q.release = absl::Now() + o_.quarantine;
+  quarantine_.push_back(std::move(q));
+}
+
+void DecodeWorker::ReleaseQuarantine(absl::Time now) {
+  while (!quarantine_.empty() && quarantine_.front().release <= now) {
+    FreeBlocks(quarantine_.front().blocks);
+    quarantine_.pop_front();
+  }
+}
+
+absl::Time DecodeWorker::NextWake() const {
   absl::Time t = absl::InfiniteFuture();
   for (const auto& [id, r] : reservations_) t = std::min(t, r.expires);
+  if (!quarantine_.empty()) t = std::min(t, quarantine_.front().release);
   return t;
 }
 
@@ -240,6 +272,7 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   r.blocks = std::move(*blocks);
   r.prompt_tokens = req.prompt_tokens();
   r.max_tokens = req.max_tokens();
+  r.lease = lease;
   r.expires = absl::Now() + lease;
 
   v1::ReserveResponse resp;
@@ -297,6 +330,14 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
 
   auto it = reservations_.find(id);
   if (it == reservations_.end()) {
+    // A late completion: refuse it without reading or touching the quarantined blocks.
+    for (auto q = quarantine_.rbegin(); q != quarantine_.rend(); ++q) {
+      if (q->request_id != id) continue;
+      return absl::NotFoundError(absl::StrCat(
+          "the KV reservation for request ", id, " ", q->why,
+          "; its blocks are quarantined against late writes and will not be decoded from "
+          "(reserve again)"));
+    }
     return absl::NotFoundError(
         absl::StrCat("no KV reservation for request ", id,
                      " (never made, already claimed, or its lease ran out)"));
@@ -305,14 +346,15 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   reservations_.erase(it);
   engine::KvCache& kv = engine_->kv();
   const int64_t prompt = req.prompt_token_ids_size();
+  // A refused claim quarantines the blocks: whoever sent it may not have stopped writing.
   if (prompt != r.prompt_tokens) {
-    FreeBlocks(r.blocks);
+    Quarantine(id, std::move(r.blocks), "was refused (prompt length mismatch)");
     return absl::InvalidArgumentError(
         absl::StrCat("prompt has ", prompt, " tokens; the reservation was for ", r.prompt_tokens));
   }
   const int64_t prompt_blocks = services::BlocksFor(prompt, kv.block_size());
   if (req.block_checksums_size() != prompt_blocks) {
-    FreeBlocks(r.blocks);
+    Quarantine(id, std::move(r.blocks), "was refused (wrong number of block checksums)");
     return absl::InvalidArgumentError(absl::StrCat("got ", req.block_checksums_size(),
                                                    " block checksums; the prompt fills ",
                                                    prompt_blocks, " blocks"));
@@ -323,11 +365,12 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   for (int64_t i = 0; i < prompt_blocks; ++i) {
     if (sums[i] != req.block_checksums(static_cast<int>(i))) {
       integrity_failures_.fetch_add(1);
-      FreeBlocks(r.blocks);
-      return absl::DataLossError(absl::StrFormat(
+      const std::string msg = absl::StrFormat(
           "request %s: KV block %d (pool block %d) has checksum %016x, prefill sent %016x; "
           "the transferred KV is corrupt",
-          id, i, r.blocks[i], sums[i], req.block_checksums(static_cast<int>(i))));
+          id, i, r.blocks[i], sums[i], req.block_checksums(static_cast<int>(i)));
+      Quarantine(id, std::move(r.blocks), "was refused (KV checksum mismatch)");
+      return absl::DataLossError(msg);
     }
   }
   // Registered before submitting: the first event may already finish the request.
@@ -336,7 +379,8 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
                                                 req.first_token_id());
   if (!st.ok()) {
     active_.erase(id);
-    FreeBlocks(r.blocks);  // validation failed before the scheduler took the blocks
+    // Validation failed before the scheduler took the blocks.
+    Quarantine(id, std::move(r.blocks), absl::StrCat("was refused (", st.message(), ")"));
   }
   return st;
 }
@@ -346,7 +390,9 @@ bool DecodeWorker::Cancel(const std::string& request_id) {
   absl::Status st = Call([&] {
     auto it = reservations_.find(request_id);
     if (it != reservations_.end()) {
-      FreeBlocks(it->second.blocks);
+      // The prefill may still be writing (the router cancels both sides at once).
+      Quarantine(request_id, std::move(it->second.blocks),
+                 "was cancelled before Decode claimed it");
       reservations_.erase(it);
       found = true;
     }

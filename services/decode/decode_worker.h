@@ -6,8 +6,14 @@
 // whole KV pool, registered once at start, plus block ids and layout facts). Decode later claims
 // the reservation, verifies the prefill's per-block checksums against its own blocks, and only
 // then admits the sequence (Scheduler::SubmitPrefilled); tokens then stream through a
-// TokenStream. An unclaimed reservation expires and its blocks return to the pool, so a dead
-// router or prefill worker never leaks KV memory.
+// TokenStream. An unclaimed reservation expires, so a dead router or prefill worker never leaks
+// KV memory.
+// Quarantine: blocks of a reservation that ends without being decoded from (lease expired,
+// cancelled, or refused at Decode) are not free at once: a slow or cancelled prefill may still
+// have one-sided writes in flight into them, which the decode side cannot observe or stop. They
+// sit in a quarantine for `quarantine` and only then return to the pool, so no other request
+// can be handed a block a late write still lands in. A Decode for such a reservation is refused
+// with NOT_FOUND naming why, without reading or touching its blocks.
 // Colocated path: a DecodeRequest with prefill_locally needs no reservation; the scheduler
 // prefills the prompt itself, in chunks batched with the running decodes.
 //
@@ -18,9 +24,10 @@
 // lease expiry) and never spins.
 // Ownership: the transport (optional: without one only colocated requests work) and the model
 // are the caller's and must outlive the worker.
-// Errors: NOT_FOUND (no such reservation, or it expired), DATA_LOSS (a block's checksum
-// differs: the blocks are freed and kv_integrity_failures counts it), RESOURCE_EXHAUSTED (no
-// room for a reservation), INVALID_ARGUMENT (bad request), UNAVAILABLE (shutting down).
+// Errors: NOT_FOUND (no such reservation, or it expired or was cancelled), DATA_LOSS (a block's
+// checksum differs: the blocks are quarantined and kv_integrity_failures counts it),
+// RESOURCE_EXHAUSTED (no room for a reservation), INVALID_ARGUMENT (bad request), UNAVAILABLE
+// (shutting down).
 #pragma once
 
 #include <atomic>
@@ -50,6 +57,9 @@ struct DecodeWorkerOptions {
   transfer::KvTransport* transport = nullptr;        // not owned; null: colocated requests only
   absl::Duration default_lease = absl::Seconds(10);  // for a ReserveRequest with lease_ms 0
   absl::Duration max_lease = absl::Minutes(10);
+  // How long blocks of an expired, cancelled or refused reservation stay out of the pool: it
+  // must cover any write a prefill worker posted before it learned the request was over.
+  absl::Duration quarantine = absl::Seconds(5);
   // Test twin hook: runs on the engine thread before every scheduler iteration that has work.
   // Tests slow the loop with it (to cancel mid-stream deterministically) or count steps.
   std::function<void()> before_step;
@@ -84,7 +94,8 @@ class DecodeWorker {
   absl::StatusOr<v1::ReserveResponse> Reserve(const v1::ReserveRequest& req);
   // On success the stream's first event carries the first token.
   absl::StatusOr<std::shared_ptr<TokenStream>> StartDecode(const v1::DecodeRequest& req);
-  // Cancels a reservation or a queued/running request; false when the id is unknown.
+  // Cancels a reservation (its blocks go to quarantine) or a queued/running request; false
+  // when the id is unknown.
   bool Cancel(const std::string& request_id);
   v1::WorkerStats Stats() const;
 
@@ -101,7 +112,15 @@ class DecodeWorker {
     std::vector<int32_t> blocks;  // prompt + max_tokens
     int32_t prompt_tokens = 0;
     int32_t max_tokens = 0;
+    absl::Duration lease;
     absl::Time expires;
+  };
+  // Blocks of a reservation that ended undecoded, held until no late write can land in them.
+  struct Quarantined {
+    std::string request_id;
+    std::vector<int32_t> blocks;
+    std::string why;  // "expired at ...", "was cancelled", ...: what a late Decode is told
+    absl::Time release;
   };
 
   DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine);
@@ -110,7 +129,11 @@ class DecodeWorker {
   void Loop();
   // Engine-thread helpers.
   void ReapExpired(absl::Time now);
-  absl::Time NextExpiry() const;
+  // A reservation ends without decoding: its blocks go to quarantine for o_.quarantine.
+  void Quarantine(std::string request_id, std::vector<int32_t> blocks, std::string why);
+  void ReleaseQuarantine(absl::Time now);
+  // The next lease expiry or quarantine release: when the idle engine thread must wake.
+  absl::Time NextWake() const;
   void PublishStats();
   absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
   absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream);
@@ -130,6 +153,7 @@ class DecodeWorker {
   // Engine-thread state.
   absl::flat_hash_map<std::string, Reservation> reservations_;
   absl::flat_hash_map<std::string, bool> active_;  // ids submitted and not yet finished
+  std::deque<Quarantined> quarantine_;             // in release order (the hold is fixed)
 
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> inbox_ ABSL_GUARDED_BY(mu_);

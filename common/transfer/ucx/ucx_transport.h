@@ -21,13 +21,19 @@
 // "visible". The ack also carries the receiver's own bounds and region check, so a write to a
 // region the receiver has deregistered fails with NOT_FOUND instead of silently vanishing.
 //
-// Threading: one progress thread per instance owns the UCP worker, created in
-// UCP_THREAD_MODE_SINGLE; every UCP call (including ucp_mem_map) is marshalled to it through a
-// task queue and an eventfd, so UCX never needs its own locks. The thread sleeps in poll() on
-// the worker's event fd (ucp_worker_arm) and the eventfd; it spins on ucp_worker_progress only
-// while requests are in flight, and only for `spin` after the last progress. Callbacks run on
-// that thread outside any UCX callback, so they may call WriteAsync. RegisterRegion and
-// DeregisterRegion block the caller until the progress thread has done the work.
+// Threading: one progress thread per instance drives the UCP worker (created
+// UCS_THREAD_MODE_SERIALIZED) under the transport's worker lock, which it holds except while it
+// sleeps in poll() on the worker's event fd (ucp_worker_arm) and an eventfd; it spins on
+// ucp_worker_progress only while requests are in flight, and only for `spin` after the last
+// progress. Work reaches it through a task queue and the eventfd. Fast path (`inline_writes`):
+// a put batch to a peer region already written to, that finds the lock free and no task queued
+// (the progress thread is idle), is issued (puts and flush) on the caller's thread; a put into
+// a mapped shared-memory segment then completes inside those calls and the callback runs on
+// the caller's thread before WriteAsync returns (outside the lock). Whatever is left pending
+// goes on with the progress thread, which is woken for it. Active messages always go through
+// the progress thread. Other callbacks run on the progress thread outside any UCX callback, so
+// they may call WriteAsync. RegisterRegion and DeregisterRegion block the caller until the
+// progress thread has done the work.
 //
 // Errors: FromUcsStatus maps UCX errors. A dead peer is detected by UCX's peer error handling
 // where the transports support it (tcp, RDMA): its endpoint fails, its batches get UNAVAILABLE.
@@ -95,6 +101,10 @@ struct UcxTransportOptions {
   // Further UCX settings, without the UCX_ prefix (e.g. {"RNDV_THRESH", "32K"}), applied with
   // ucp_config_modify after the transport list.
   std::vector<std::pair<std::string, std::string>> ucx_config;
+
+  // Issue a write on the caller's thread when the progress thread is idle (see Threading).
+  // Off: every write is handed to the progress thread, and every callback runs there.
+  bool inline_writes = true;
 
   // Active-message payloads at least this large are forced onto UCX's rendezvous protocol
   // (received zero-copy into the region); smaller ones use UCX's own eager/rendezvous choice.

@@ -115,7 +115,9 @@ std::string UcxContext::Info() const {
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& context) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // Serialized, not single: the transport's progress thread and, when that thread is asleep,
+  // a thread issuing a write call into the worker, one at a time under the transport's lock.
+  params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   ucp_worker_h worker = nullptr;
   ucs_status_t st = ucp_worker_create(context.get(), &params, &worker);
   if (st != UCS_OK) return FromUcsStatus(st, "ucp_worker_create");

@@ -96,6 +96,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   d.worker_id = "decode-0";
   d.transport = decode_transport.get();
   d.before_step = o.before_step;
+  d.quarantine = o.decode_quarantine;
   auto dw = decode::DecodeWorker::Create(d);
   EXPECT_TRUE(dw.ok()) << dw.status();
   decode = std::move(*dw);

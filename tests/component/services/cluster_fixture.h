@@ -44,7 +44,9 @@ Generated ReferenceRun(std::shared_ptr<const engine::Model> model, kernels::DTyp
 
 struct ClusterOptions {
   kernels::DType kv_type = kernels::DType::kF32;
-  int decode_kv_blocks = 0;           // 0: engine default
+  int decode_kv_blocks = 0;  // 0: engine default
+  // Short, so tests that end reservations undecoded see their pool at rest soon after.
+  absl::Duration decode_quarantine = absl::Milliseconds(100);
   int prefill_max_batch_tokens = 24;  // small: forces chunked prefill
   std::function<void()> before_step;  // decode engine-loop hook
   std::function<void()> prefill_before_step;

@@ -165,7 +165,7 @@ class ServicesTest : public ::testing::Test {
   std::shared_ptr<const engine::Model> model_;
 };
 
-TEST_F(ServicesTest, CorruptedBlockIsDataLossAndFreesTheBlocks) {
+TEST_F(ServicesTest, CorruptedBlockIsDataLossAndQuarantinesTheBlocks) {
   TestCluster c(model_);
   const v1::WorkerStats at_rest = c.DecodeStats();
   const auto prompt = TestPrompt(40, 3);  // blocks 0, 1 full; block 2 holds 8 positions
@@ -186,11 +186,14 @@ TEST_F(ServicesTest, CorruptedBlockIsDataLossAndFreesTheBlocks) {
   EXPECT_TRUE(g.tokens.empty());
   const v1::WorkerStats s = c.DecodeStats();
   EXPECT_EQ(s.kv_integrity_failures(), 1u);
-  EXPECT_EQ(s.kv_blocks_free(), at_rest.kv_blocks_free());
   EXPECT_EQ(s.reservations(), 0);
   EXPECT_EQ(s.running(), 0);
   // The reservation is gone: a retry with the same id is NOT_FOUND, not a decode of bad KV.
   EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::NOT_FOUND);
+  // The blocks come back after the quarantine.
+  ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+    return s.kv_blocks_free() == at_rest.kv_blocks_free();
+  })) << c.DecodeStats().DebugString();
 
   // Damage past the prompt's last position is not part of what prefill sent: still fine.
   v1::DecodeRequest ok = Prefilled(c, "fine", prompt, Greedy(8), &res);
@@ -209,7 +212,7 @@ TEST_F(ServicesTest, CorruptedBlockIsDataLossAndFreesTheBlocks) {
   ExpectPoolsAtRest(c);
 }
 
-TEST_F(ServicesTest, ExpiredReservationFreesItsBlocks) {
+TEST_F(ServicesTest, ExpiredReservationFreesItsBlocksAfterTheQuarantine) {
   TestCluster c(model_);
   const v1::WorkerStats at_rest = c.DecodeStats();
   const absl::Time t0 = absl::Now();
@@ -224,12 +227,141 @@ TEST_F(ServicesTest, ExpiredReservationFreesItsBlocks) {
   ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
     return s.reservations() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
   }));
-  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(190));
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(190 + 100));  // lease + quarantine
   v1::DecodeRequest dr;
   dr.set_request_id("late");
   for (int i = 0; i < 50; ++i) dr.add_prompt_token_ids(5);
   dr.add_block_checksums(1);
   EXPECT_EQ(c.Decode(dr).status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+v1::PrefillRequest PrefillFor(const std::string& id, const std::vector<int32_t>& prompt,
+                              const engine::SamplingParams& sp, const v1::KvDestination& dst) {
+  v1::PrefillRequest pr;
+  pr.set_request_id(id);
+  for (int32_t t : prompt) pr.add_prompt_token_ids(t);
+  *pr.mutable_sampling() = services::SamplingToProto(sp);
+  *pr.mutable_destination() = dst;
+  return pr;
+}
+
+v1::DecodeRequest DecodeFor(const v1::PrefillRequest& pr, const v1::PrefillResponse& presp) {
+  v1::DecodeRequest dr;
+  dr.set_request_id(pr.request_id());
+  *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
+  *dr.mutable_sampling() = pr.sampling();
+  dr.set_first_token_id(presp.first_token_id());
+  *dr.mutable_block_checksums() = presp.block_checksums();
+  return dr;
+}
+
+// A prefill still writing when its reservation's lease runs out must not write into another
+// request's KV: the blocks stay out of the pool for the quarantine, the late completion is
+// refused without looking at them, and afterwards they are handed out again.
+TEST_F(ServicesTest, ExpiredReservationIsQuarantinedAgainstALatePrefill) {
+  absl::Notification entered, release;
+  std::atomic<bool> first{true};
+  ClusterOptions co;
+  co.decode_kv_blocks = 12;
+  // Long enough that the steps below finish inside it even on a loaded machine.
+  co.decode_quarantine = absl::Milliseconds(2500);
+  co.prefill_before_step = [&] {
+    if (first.exchange(false)) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+  };
+  TestCluster c(model_, co);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  ASSERT_EQ(at_rest.kv_blocks_free(), 12);
+  const engine::SamplingParams sp = Greedy(20);  // 60 + 20 positions: 5 blocks
+  const std::vector<int32_t> slow_prompt = TestPrompt(60, 21), next_prompt = TestPrompt(60, 22);
+
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::ReserveResponse> slow = c.Reserve("slow", 60, 20, /*lease_ms=*/150);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  const v1::PrefillRequest slow_pr = PrefillFor("slow", slow_prompt, sp, slow->destination());
+  grpc::Status slow_st;
+  v1::PrefillResponse slow_resp;
+  std::thread writer([&] { slow_st = c.Prefill(slow_pr, &slow_resp); });
+  entered.WaitForNotification();  // the prefill holds its engine before its first write
+
+  // The lease runs out: the reservation is gone but its blocks are not free.
+  ASSERT_TRUE(c.WaitForDecode([](const v1::WorkerStats& s) { return s.reservations() == 0; }));
+  EXPECT_EQ(c.DecodeStats().kv_blocks_free(), 12 - 5);
+  // A new request is given other blocks, and what is left cannot hold a third.
+  absl::StatusOr<v1::ReserveResponse> next = c.Reserve("next", 60, 20);
+  ASSERT_TRUE(next.ok()) << next.status();
+  for (int32_t b : next->destination().block_ids()) {
+    for (int32_t q : slow->destination().block_ids()) EXPECT_NE(b, q);
+  }
+  EXPECT_EQ(c.Reserve("third", 60, 20).status().code(), absl::StatusCode::kResourceExhausted);
+
+  // The slow prefill now writes its whole prompt into the quarantined blocks.
+  release.Notify();
+  writer.join();
+  ASSERT_TRUE(slow_st.ok()) << slow_st.error_message();
+  // Its completion is refused, naming why, without reading the blocks: a checksum pass over
+  // them would have counted an integrity failure for these wrong checksums.
+  v1::DecodeRequest late = DecodeFor(slow_pr, slow_resp);
+  for (int i = 0; i < late.block_checksums_size(); ++i) late.set_block_checksums(i, 12345);
+  const Generated refused = c.Decode(late);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(refused.status.error_message().find("expired"), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("quarantined"), std::string::npos);
+  EXPECT_TRUE(refused.tokens.empty());
+  EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 0u);
+  EXPECT_EQ(c.DecodeStats().kv_blocks_free(), 12 - 5 - 5);  // still quarantined
+
+  // The other request's KV was not touched by the late writes.
+  const v1::PrefillRequest next_pr = PrefillFor("next", next_prompt, sp, next->destination());
+  v1::PrefillResponse next_resp;
+  ASSERT_TRUE(c.Prefill(next_pr, &next_resp).ok());
+  const Generated g = c.Decode(DecodeFor(next_pr, next_resp));
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.tokens, ReferenceRun(model_, kernels::DType::kF32, next_prompt, sp).tokens);
+
+  // After the quarantine every block is free again, and the old ones are handed out.
+  ASSERT_TRUE(c.WaitForDecode([](const v1::WorkerStats& s) {
+    return s.running() == 0 && s.reservations() == 0 && s.kv_blocks_free() == 12;
+  })) << c.DecodeStats().DebugString();
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(150 + 2500));
+  absl::StatusOr<v1::ReserveResponse> all = c.Reserve("all", 100, 92);  // 12 blocks
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(c.DecodeStats().kv_blocks_free(), 0);
+}
+
+TEST_F(ServicesTest, CancelledReservationIsQuarantinedThenFreed) {
+  ClusterOptions co;
+  co.decode_quarantine = absl::Milliseconds(400);
+  TestCluster c(model_, co);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  ASSERT_TRUE(c.Reserve("gone", 40, 8).ok());  // 3 blocks
+  grpc::ClientContext cctx;
+  v1::CancelRequest creq;
+  creq.set_request_id("gone");
+  v1::CancelResponse cresp;
+  const absl::Time cancelled = absl::Now();
+  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+  EXPECT_TRUE(cresp.found());
+  const v1::WorkerStats held = c.DecodeStats();
+  EXPECT_EQ(held.reservations(), 0);
+  if (absl::Now() - cancelled < absl::Milliseconds(300)) {  // a loaded machine may be slower
+    EXPECT_EQ(held.kv_blocks_free(), at_rest.kv_blocks_free() - 3);
+  }
+  v1::DecodeRequest dr;
+  dr.set_request_id("gone");
+  for (int32_t t : TestPrompt(40, 1)) dr.add_prompt_token_ids(t);
+  for (int i = 0; i < 3; ++i) dr.add_block_checksums(i);
+  const Generated g = c.Decode(dr);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(g.status.error_message().find("cancelled"), std::string::npos)
+      << g.status.error_message();
+  ASSERT_TRUE(c.WaitForDecode(
+      [&](const v1::WorkerStats& s) { return s.kv_blocks_free() == at_rest.kv_blocks_free(); }));
+  EXPECT_GE(absl::Now() - cancelled, absl::Milliseconds(400));
+  EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 0u);
 }
 
 // Decode slowed to >= 5 ms per step, so a 200-token stream is still running when the client

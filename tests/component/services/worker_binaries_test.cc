@@ -230,13 +230,10 @@ TEST_F(WorkerBinariesTest, DisaggregatedOverUcxAcrossProcesses) {
   for (const char* f : {"--transport", "ucx", "--ucx-tls", "shm", "--max-batch-tokens", "24"}) {
     pflags.push_back(f);
   }
-  // A gRPC server in this process keeps threads polling every connection, as a router's do.
-  // Without one nothing here reads the workers' GOAWAY at shutdown, and each worker's
-  // Shutdown then waits its whole --grace-ms for our idle connections to close.
-  FakeRegistry idle_registry(1000);
-  services::GrpcServerOptions so;
-  so.services = {&idle_registry};
-  auto poller = std::move(*services::GrpcServer::Start(so));
+  // A long grace, so a shutdown that waited for idle clients would show (see the end).
+  for (auto* flags : {&dflags, &pflags}) {
+    *(std::find(flags->begin(), flags->end(), "--grace-ms") + 1) = "10000";
+  }
   Process d("tandem-decode", dflags, Path("d2.log"));
   Process p("tandem-prefill", pflags, Path("p2.log"));
   const int dport = WaitForPort(Path("d2.port"));
@@ -298,6 +295,146 @@ TEST_F(WorkerBinariesTest, DisaggregatedOverUcxAcrossProcesses) {
   ASSERT_TRUE(dstub->Stats(&ctx, v1::WorkerStatsRequest(), &s).ok());
   EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total());
   EXPECT_EQ(s.kv_integrity_failures(), 0u);
+  // Nothing in this process polls our idle connections to the workers, so they would read the
+  // workers' GOAWAY only at gRPC's 5 s backup poll: the workers must not wait for that.
+  const absl::Time t0 = absl::Now();
+  d.Signal(SIGTERM);
+  p.Signal(SIGTERM);
+  EXPECT_EQ(d.Wait(absl::Seconds(20)), 0) << d.Log();
+  EXPECT_EQ(p.Wait(absl::Seconds(20)), 0) << p.Log();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3)) << "shutdown waited for idle clients";
+}
+
+v1::WorkerStats StatsOf(v1::DecodeWorker::Stub* d, v1::PrefillWorker::Stub* p) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::WorkerStats s;
+  const grpc::Status st = d != nullptr ? d->Stats(&ctx, v1::WorkerStatsRequest(), &s)
+                                       : p->Stats(&ctx, v1::WorkerStatsRequest(), &s);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return s;
+}
+
+// What the router does when a client cancels while its prefill runs: Cancel on both workers.
+// Separate processes, KV over UCX shared memory, a prefill slowed to 150 ms a step so the
+// cancel lands after some layers were written and before the last. Both pools must return to
+// their baseline: the prefill's once its in-flight writes drain, the decode's after its
+// quarantine (so the writes still landing cannot reach another request's blocks).
+TEST_F(WorkerBinariesTest, CancelDuringPrefillReturnsBothPoolsToBaseline) {
+  const std::vector<std::string> have = services::AvailableTransports();
+  if (std::find(have.begin(), have.end(), "ucx") == have.end()) {
+    GTEST_SKIP() << "this build has no UCX transport";
+  }
+  constexpr int kQuarantineMs = 500;
+  std::vector<std::string> dflags = CommonFlags("d3");
+  for (const char* f : {"--transport", "ucx", "--ucx-tls", "shm"}) dflags.push_back(f);
+  dflags.push_back("--quarantine-ms");
+  dflags.push_back(std::to_string(kQuarantineMs));
+  std::vector<std::string> pflags = CommonFlags("p3");
+  for (const char* f : {"--transport", "ucx", "--ucx-tls", "shm", "--max-batch-tokens", "24",
+                        "--test-step-delay-ms", "150"}) {
+    pflags.push_back(f);
+  }
+  Process d("tandem-decode", dflags, Path("d3.log"));
+  Process p("tandem-prefill", pflags, Path("p3.log"));
+  const int dport = WaitForPort(Path("d3.port"));
+  const int pport = WaitForPort(Path("p3.port"));
+  ASSERT_GT(dport, 0) << d.Log();
+  ASSERT_GT(pport, 0) << p.Log();
+  auto dstub = v1::DecodeWorker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(dport),
+                                                             grpc::InsecureChannelCredentials()));
+  auto pstub = v1::PrefillWorker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(pport),
+                                                              grpc::InsecureChannelCredentials()));
+  const v1::WorkerStats d0 = StatsOf(dstub.get(), nullptr);
+  const v1::WorkerStats p0 = StatsOf(nullptr, pstub.get());
+  ASSERT_EQ(d0.kv_blocks_free(), d0.kv_blocks_total());
+  ASSERT_EQ(p0.kv_blocks_free(), p0.kv_blocks_total());
+
+  const std::vector<int32_t> prompt = TestPrompt(130, 7);  // 6 steps of 24 tokens: ~900 ms
+  v1::ReserveRequest rr;
+  rr.set_request_id("doomed");
+  rr.set_prompt_tokens(130);
+  rr.set_max_tokens(12);
+  v1::ReserveResponse res;
+  {
+    grpc::ClientContext c;
+    ASSERT_TRUE(dstub->Reserve(&c, rr, &res).ok());
+  }
+  v1::PrefillRequest pr;
+  pr.set_request_id("doomed");
+  for (int32_t t : prompt) pr.add_prompt_token_ids(t);
+  *pr.mutable_destination() = res.destination();
+  grpc::Status prefill_st;
+  std::thread caller([&] {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::PrefillResponse resp;
+    prefill_st = pstub->Prefill(&c, pr, &resp);
+  });
+  // Wait until KV is crossing: the prefill holds local blocks and has written some layers.
+  bool writing = false;
+  for (const absl::Time end = absl::Now() + absl::Seconds(20); !writing && absl::Now() < end;) {
+    const v1::WorkerStats s = StatsOf(nullptr, pstub.get());
+    writing = s.transport_bytes_written() > p0.transport_bytes_written() &&
+              s.kv_blocks_free() < s.kv_blocks_total();
+    if (!writing) absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(writing) << p.Log();
+  const absl::Time cancelled = absl::Now();
+  for (bool on_prefill : {true, false}) {
+    grpc::ClientContext c;
+    v1::CancelRequest creq;
+    creq.set_request_id("doomed");
+    v1::CancelResponse cresp;
+    const grpc::Status st =
+        on_prefill ? pstub->Cancel(&c, creq, &cresp) : dstub->Cancel(&c, creq, &cresp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_TRUE(cresp.found()) << (on_prefill ? "prefill" : "decode");
+  }
+  caller.join();
+  EXPECT_EQ(prefill_st.error_code(), grpc::StatusCode::CANCELLED) << prefill_st.error_message();
+  // A late Decode is refused, naming the cancel.
+  {
+    v1::DecodeRequest dr;
+    dr.set_request_id("doomed");
+    *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
+    for (int i = 0; i < res.destination().block_ids_size(); ++i) dr.add_block_checksums(i);
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto reader = dstub->Decode(&c, dr);
+    v1::GenerateResponse msg;
+    EXPECT_FALSE(reader->Read(&msg));
+    const grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+    EXPECT_NE(st.error_message().find("cancelled"), std::string::npos) << st.error_message();
+  }
+  // Both pools back at their baseline (explicit timeout); the decode one not before the
+  // quarantine ended.
+  bool prefill_at_rest = false, decode_at_rest = false;
+  absl::Time decode_back;
+  for (const absl::Time end = absl::Now() + absl::Seconds(20);
+       !(prefill_at_rest && decode_at_rest) && absl::Now() < end;) {
+    if (!prefill_at_rest) {
+      const v1::WorkerStats s = StatsOf(nullptr, pstub.get());
+      prefill_at_rest =
+          s.kv_blocks_free() == p0.kv_blocks_free() && s.running() == 0 && s.waiting() == 0;
+    }
+    if (!decode_at_rest) {
+      const v1::WorkerStats s = StatsOf(dstub.get(), nullptr);
+      decode_at_rest = s.kv_blocks_free() == d0.kv_blocks_free() && s.reservations() == 0;
+      if (decode_at_rest) decode_back = absl::Now();
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(prefill_at_rest) << StatsOf(nullptr, pstub.get()).DebugString();
+  ASSERT_TRUE(decode_at_rest) << StatsOf(dstub.get(), nullptr).DebugString();
+  EXPECT_GE(decode_back - cancelled, absl::Milliseconds(kQuarantineMs));
+  EXPECT_EQ(StatsOf(dstub.get(), nullptr).kv_integrity_failures(), 0u);
+  // The cancel landed mid-prefill: not every layer of the prompt was written.
+  const uint64_t slot_bytes = res.destination().block_bytes() / res.destination().block_size();
+  const uint64_t whole = 2 * uint64_t(res.destination().num_layers()) * 130 * slot_bytes;
+  EXPECT_LT(StatsOf(nullptr, pstub.get()).transport_bytes_written() - p0.transport_bytes_written(),
+            whole);
   d.Signal(SIGTERM);
   p.Signal(SIGTERM);
   EXPECT_EQ(d.Wait(absl::Seconds(20)), 0) << d.Log();

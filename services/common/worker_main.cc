@@ -1,0 +1,126 @@
+#include "services/common/worker_main.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "services/common/grpc_server.h"
+#include "services/common/process_util.h"
+#include "services/common/registration.h"
+#include "services/common/transport_factory.h"
+
+namespace tandem::services {
+
+void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
+  f->max_seqs = spec.default_max_seqs;
+  app.add_option("--model", f->model_path, "GGUF model file")->required();
+  app.add_option("--host", f->host, "address to listen on (0.0.0.0: every interface)");
+  app.add_option("--port", f->port, "port to listen on; 0 picks a free one (printed, --port-file)");
+  app.add_option("--port-file", f->port_file, "write the bound port here once serving");
+  app.add_option("--advertise-host", f->advertise_host,
+                 "host the router should dial (default: --host; 127.0.0.1 for a wildcard)");
+  app.add_option("--worker-id", f->worker_id,
+                 absl::StrCat("id in the registry (default ", spec.role, "-HOST-PID)"));
+  app.add_option("--router", f->router, "registry (router) host:port to register with");
+  app.add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
+  app.add_option("--kv-blocks", f->kv_blocks, spec.kv_blocks_help)->check(CLI::NonNegativeNumber);
+  app.add_option("--block-size", f->block_size, spec.block_size_help)->check(CLI::PositiveNumber);
+  app.add_option("--kv-type", f->kv_type, spec.kv_type_help)->check(CLI::IsMember({"f32", "f16"}));
+  app.add_option("--ctx-size", f->ctx_size, "positions per sequence (0: min(model, 4096))")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-seqs", f->max_seqs, spec.max_seqs_help)->check(CLI::PositiveNumber);
+  app.add_option("--max-batch-tokens", f->max_batch_tokens, spec.max_batch_tokens_help)
+      ->check(CLI::PositiveNumber);
+  app.add_option("--transport", f->transport, spec.transport_help)
+      ->check(CLI::IsMember(spec.transports));
+  app.add_option("--ucx-tls", f->ucx_tls, "UCX transports: shm, tcp, all or a UCX_TLS list");
+  app.add_option("--grace-ms", f->grace_ms, spec.grace_help)->check(CLI::NonNegativeNumber);
+  app.add_option("--cpus", f->cpus, "pin the process to these CPUs, e.g. 0-3,6");
+}
+
+absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
+  // Before any thread exists, so every thread inherits the mask and the affinity.
+  BlockTerminationSignals();
+  if (!f->cpus.empty()) {
+    absl::StatusOr<std::vector<int>> list = ParseCpuList(f->cpus);
+    if (!list.ok()) return list.status();
+    if (absl::Status st = PinToCpus(*list); !st.ok()) return st;
+  }
+  if (f->worker_id.empty()) f->worker_id = DefaultWorkerId(spec.role);
+  return absl::OkStatus();
+}
+
+engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {
+  engine::EngineOptions eo;
+  eo.threads = f.threads;
+  eo.ctx_size = f.ctx_size;
+  eo.max_seqs = f.max_seqs;
+  eo.kv_blocks = f.kv_blocks;
+  eo.block_size = f.block_size;
+  eo.max_batch_tokens = f.max_batch_tokens;
+  eo.kv_type = f.kv_type == "f16" ? kernels::DType::kF16 : kernels::DType::kF32;
+  return eo;
+}
+
+absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(const WorkerFlags& f) {
+  if (f.transport == "none") return std::unique_ptr<transfer::KvTransport>();
+  TransportChoice tc;
+  tc.kind = f.transport;
+  tc.name = f.worker_id;
+  tc.ucx_tls = f.ucx_tls;
+  return CreateTransport(tc);
+}
+
+int FailWorker(const std::string& binary, const std::string& what, const absl::Status& st) {
+  std::fprintf(stderr, "%s: %s: %s\n", binary.c_str(), what.c_str(), st.ToString().c_str());
+  return 1;
+}
+
+int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
+  GrpcServerOptions so;
+  so.host = f.host;
+  so.port = f.port;
+  so.services = {o.service};
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(so);
+  if (!server.ok()) return FailWorker(o.binary, "starting the gRPC server", server.status());
+  const int bound = (*server)->port();
+  if (!f.port_file.empty()) {
+    if (absl::Status st = WriteFileAtomically(f.port_file, absl::StrCat(bound, "\n")); !st.ok()) {
+      return FailWorker(o.binary, "--port-file", st);
+    }
+  }
+  const std::string advertised =
+      JoinHostPort(f.advertise_host.empty() ? AdvertisedHost(f.host) : f.advertise_host, bound);
+  // The router matches models by file stem ("stories260K.gguf" serves "stories260K").
+  const std::string model_file = std::filesystem::path(f.model_path).filename().string();
+  const std::string label = o.role_label.empty() ? "" : absl::StrCat(" (", o.role_label, ")");
+  std::printf("%s: worker %s%s serving on %s: model %s, %d KV blocks, transport %s\n",
+              o.binary.c_str(), f.worker_id.c_str(), label.c_str(), (*server)->address().c_str(),
+              model_file.c_str(), o.kv_blocks_total, o.transport_name.c_str());
+  std::fflush(stdout);
+
+  std::unique_ptr<RegistrationClient> registration;
+  if (!f.router.empty()) {
+    RegistrationOptions ro;
+    ro.registry_address = f.router;
+    ro.registration.set_worker_id(f.worker_id);
+    ro.registration.set_role(o.role);
+    ro.registration.set_address(advertised);
+    ro.registration.set_model(model_file);
+    ro.registration.set_kv_blocks_total(o.kv_blocks_total);
+    ro.stats = o.stats;
+    absl::StatusOr<std::unique_ptr<RegistrationClient>> r = RegistrationClient::Start(ro);
+    if (!r.ok()) return FailWorker(o.binary, "--router", r.status());
+    registration = std::move(*r);
+  }
+
+  const int sig = WaitForTerminationSignal();
+  std::fprintf(stderr, "%s: signal %d: draining (grace %d ms)\n", o.binary.c_str(), sig,
+               f.grace_ms);
+  if (registration) registration->Stop();  // the router stops sending new work first
+  (*server)->Shutdown(absl::Milliseconds(f.grace_ms));
+  return 0;
+}
+
+}  // namespace tandem::services

@@ -1,0 +1,105 @@
+// What the tandem-prefill and tandem-decode main()s share: the flags both workers take, the
+// process setup that must happen before any thread starts, and the serving life cycle (gRPC
+// server, port file, registration with the router, drain on SIGTERM/SIGINT).
+//
+// Each main adds its own flags next to these, builds its worker from the parsed WorkerFlags,
+// then hands its gRPC service to ServeWorker. Flag names, defaults and behaviour are the ones
+// the two binaries always had; the few help texts and defaults that differ between them come
+// in WorkerFlagSpec.
+//
+// Threading: PrepareWorkerProcess must run on the main thread before any other thread exists
+// (signal mask and CPU affinity are inherited). ServeWorker blocks the calling thread until a
+// termination signal arrives. Ownership: ServeWorker borrows the service, which must outlive it.
+// Errors: PrepareWorkerProcess returns the failing flag's error; ServeWorker prints what failed
+// (prefixed with the binary's name) and returns the process exit code.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/transfer/transfer.h"
+#include "engine/runtime/engine.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace CLI {
+class App;
+}
+namespace grpc {
+class Service;
+}
+
+namespace tandem::services {
+
+struct WorkerFlags {
+  std::string model_path;
+  std::string host = "127.0.0.1";
+  int port = 0;
+  std::string port_file;
+  std::string advertise_host;
+  std::string worker_id;
+  std::string router;
+  int threads = 1;
+  int kv_blocks = 0;
+  int block_size = 16;
+  std::string kv_type = "f32";
+  int ctx_size = 0;
+  int max_seqs = 8;
+  int max_batch_tokens = 512;
+  std::string transport = "ucx";
+  std::string ucx_tls = "shm";
+  int grace_ms = 10000;
+  std::string cpus;
+};
+
+// How one binary words and bounds the shared flags.
+struct WorkerFlagSpec {
+  std::string role;  // "decode" or "prefill": the default worker id's prefix
+  int default_max_seqs = 8;
+  std::vector<std::string> transports = {"ucx", "inproc"};  // --transport choices
+  std::string transport_help;
+  std::string kv_blocks_help;
+  std::string block_size_help = "tokens per KV block";
+  std::string kv_type_help = "KV cache element type";
+  std::string max_seqs_help;
+  std::string max_batch_tokens_help = "tokens per engine step";
+  std::string grace_help;
+};
+
+// Registers the shared flags on `app`, writing into `flags` when it parses.
+void AddWorkerFlags(CLI::App& app, WorkerFlags* flags, const WorkerFlagSpec& spec);
+
+// After parsing, before any thread starts: blocks SIGTERM/SIGINT for WaitForTerminationSignal,
+// pins to --cpus, and fills in the default worker id ("<role>-HOST-PID").
+absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* flags);
+
+// The engine options the shared flags describe.
+engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
+
+// The KV transport --transport and --ucx-tls name; null for "none".
+absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(const WorkerFlags& flags);
+
+struct ServeOptions {
+  std::string binary;      // "tandem-decode": prefixes every line printed
+  std::string role_label;  // printed after the worker id when not empty, e.g. "decode"
+  grpc::Service* service = nullptr;
+  v1::WorkerRole role = v1::WORKER_ROLE_UNSPECIFIED;
+  int32_t kv_blocks_total = 0;
+  std::string transport_name;  // printed
+  std::function<v1::WorkerStats()> stats;
+};
+
+// Serves `o.service` on --host/--port (with health and reflection), writes --port-file once
+// serving, prints the serving line, registers with --router when given, then waits for
+// SIGTERM/SIGINT. Then it deregisters, lets in-flight calls finish for up to --grace-ms,
+// cancels the rest and returns 0. Returns 1 after printing "<binary>: <what>: <error>" when
+// the server, the port file or the registration cannot start.
+int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);
+
+// Prints "<binary>: <what>: <status>" to stderr and returns 1, the exit code.
+int FailWorker(const std::string& binary, const std::string& what, const absl::Status& st);
+
+}  // namespace tandem::services
