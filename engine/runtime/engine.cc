@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
@@ -31,6 +34,22 @@ void MatmulRows(const WeightView& w, const float* in, int64_t batch, float* out,
   p.output = out;
   p.output_stride = w.rows;
   kernels::Matmul(p, pool);
+}
+
+// Projections of the same input (Q/K/V, gate/up): one pool hand-off for all when their weight
+// types agree (they do in most GGUF files; mixed-type ones go one by one).
+void MatmulSameInput(std::initializer_list<std::pair<const WeightView*, float*>> outs,
+                     const float* in, int64_t batch, util::ThreadPool* pool) {
+  const WeightView& first = *outs.begin()->first;
+  bool same = true;
+  for (const auto& [w, out] : outs) same = same && w->type == first.type && w->cols == first.cols;
+  if (!same) {
+    for (const auto& [w, out] : outs) MatmulRows(*w, in, batch, out, pool);
+    return;
+  }
+  std::vector<kernels::MatmulTarget> targets;
+  for (const auto& [w, out] : outs) targets.push_back({w->data, w->rows, out, w->rows});
+  kernels::MatmulMulti(first.type, first.cols, in, first.cols, batch, targets, pool);
 }
 
 void AddBias(float* rows, const std::vector<float>& bias, int64_t n_rows) {
@@ -181,9 +200,8 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
         kernels::RmsNorm(x_.data() + r * d, w.attn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
       }
     }, row_grain);
-    MatmulRows(w.wq, xn_.data(), T, q_.data(), pool);
-    MatmulRows(w.wk, xn_.data(), T, k_.data(), pool);
-    MatmulRows(w.wv, xn_.data(), T, v_.data(), pool);
+    MatmulSameInput({{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}}, xn_.data(), T,
+                    pool);
     AddBias(q_.data(), w.bq, T);
     AddBias(k_.data(), w.bk, T);
     AddBias(v_.data(), w.bv, T);
@@ -229,8 +247,7 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
         kernels::RmsNorm(x_.data() + r * d, w.ffn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
       }
     }, row_grain);
-    MatmulRows(w.w_gate, xn_.data(), T, gate_.data(), pool);
-    MatmulRows(w.w_up, xn_.data(), T, up_.data(), pool);
+    MatmulSameInput({{&w.w_gate, gate_.data()}, {&w.w_up, up_.data()}}, xn_.data(), T, pool);
     kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), T * c.n_ff);
     MatmulRows(w.w_down, gate_.data(), T, tmp_.data(), pool);
     kernels::AddInPlace(x_.data(), tmp_.data(), T * d);

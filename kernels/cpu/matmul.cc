@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "common/util/thread_pool.h"
@@ -394,6 +395,8 @@ TileFn SelectTile(DType t) {
 }
 
 // The GEMM tile for big batches, where the CPU has one for this weight type.
+// Below this batch the small-batch tiles win: decode is bound by reading the weights, and the
+// GEMM layout's conversion and wider tiles buy nothing there (measured at batch 1).
 constexpr int64_t kGemmMinBatch = 8;
 
 TileFn SelectGemm(DType t) {
@@ -489,68 +492,105 @@ void QuantizeActivationRow(DType vec_dot_type, const float* x, void* dst, int64_
   (void)QuantizeRow(vec_dot_type, x, dst, n);
 }
 
-void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
-  CheckParams(p);
-  if (p.rows == 0 || p.batch == 0) return;
-  const int64_t in_stride = p.input_stride ? p.input_stride : p.cols;
-  const int64_t out_stride = p.output_stride ? p.output_stride : p.rows;
-  const DType vt = VecDotType(p.weight_type);
-  const TileFn gemm = p.batch >= kGemmMinBatch ? SelectGemm(p.weight_type) : nullptr;
-  const TileFn tile = gemm ? gemm : SelectTile(p.weight_type);
+namespace {
+
+// Matmul and MatmulMulti: the targets share weight type, column count and input.
+void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_stride,
+               int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool) {
+  int64_t total_rows = 0;
+  for (const MatmulTarget& t : targets) total_rows += t.rows;
+  if (total_rows == 0 || batch == 0) return;
+  const DType vt = VecDotType(weight_type);
+  const TileFn gemm = batch >= kGemmMinBatch ? SelectGemm(weight_type) : nullptr;
+  const TileFn tile = gemm ? gemm : SelectTile(weight_type);
   const int64_t max_tile = gemm ? internal::kGemmTile : kMaxTile;
 
-  const ActLayout layout = gemm ? GemmLayout(p.cols) : LayoutFor(vt, p.cols);
+  const ActLayout layout = gemm ? GemmLayout(cols) : LayoutFor(vt, cols);
   // Rows a power of two apart (2048 columns make 8 KiB) would all map to the same L1 sets and
   // evict each other within one tile; one extra cache line of stride spreads them.
   const size_t row_bytes = layout.Total() + (layout.Total() % 1024 == 0 ? 64 : 0);
   ActScratch& scratch = Scratch();
-  if (scratch.bytes.size() < row_bytes * p.batch + 64)
-    scratch.bytes.resize(row_bytes * p.batch + 64);
-  scratch.rows.resize(p.batch);
+  if (scratch.bytes.size() < row_bytes * batch + 64) scratch.bytes.resize(row_bytes * batch + 64);
+  scratch.rows.resize(batch);
   uint8_t* base = scratch.bytes.data();
   base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   auto convert = [&](int64_t b0, int64_t b1, int) {
     for (int64_t b = b0; b < b1; ++b) {
       if (gemm) {
-        ConvertActivationGemm(p.input + b * in_stride, p.cols, base + b * row_bytes,
-                              &scratch.rows[b]);
+        ConvertActivationGemm(input + b * in_stride, cols, base + b * row_bytes, &scratch.rows[b]);
       } else {
-        ConvertActivation(vt, p.input + b * in_stride, p.cols, base + b * row_bytes, layout,
+        ConvertActivation(vt, input + b * in_stride, cols, base + b * row_bytes, layout,
                           &scratch.rows[b]);
       }
     }
   };
-  if (pool != nullptr && p.batch > 1 && p.batch * p.cols >= (1 << 16)) {
-    pool->ParallelFor(p.batch, convert);
+  if (pool != nullptr && batch > 1 && batch * cols >= (1 << 16)) {
+    pool->ParallelFor(batch, convert);
   } else {
-    convert(0, p.batch, 0);
+    convert(0, batch, 0);
   }
 
-  const auto* w = static_cast<const uint8_t*>(p.weight);
-  const size_t w_stride = RowBytes(p.weight_type, p.cols);
+  const size_t w_stride = RowBytes(weight_type, cols);
   const ActRow* act = scratch.rows.data();
   // A GEMM row block is sized to stay in L2 (about 256 KiB) while every activation tile passes
   // over it; the small-batch tiles keep kRowBlock rows, which stay in L1.
   const int64_t row_block =
       gemm ? std::clamp<int64_t>((int64_t{256} << 10) / static_cast<int64_t>(w_stride), 16, 1024)
            : kRowBlock;
+  // Rows [r0, r1) of the targets laid end to end.
   auto run_rows = [&](int64_t r0, int64_t r1, int) {
-    for (int64_t rb = r0; rb < r1; rb += row_block) {
-      const int64_t nr = std::min(row_block, r1 - rb);
-      for (int64_t b0 = 0; b0 < p.batch; b0 += max_tile) {
-        const int nb = static_cast<int>(std::min<int64_t>(max_tile, p.batch - b0));
-        tile(w + rb * w_stride, w_stride, nr, act + b0, nb, p.cols, p.output + b0 * out_stride + rb,
-             out_stride);
+    int64_t first = 0;
+    for (const MatmulTarget& t : targets) {
+      const int64_t lo = std::max(r0, first) - first;
+      const int64_t hi = std::min(r1, first + t.rows) - first;
+      first += t.rows;
+      if (lo >= hi) continue;
+      const auto* w = static_cast<const uint8_t*>(t.weight);
+      const int64_t out_stride = t.output_stride ? t.output_stride : t.rows;
+      for (int64_t rb = lo; rb < hi; rb += row_block) {
+        const int64_t nr = std::min(row_block, hi - rb);
+        for (int64_t b0 = 0; b0 < batch; b0 += max_tile) {
+          const int nb = static_cast<int>(std::min<int64_t>(max_tile, batch - b0));
+          tile(w + rb * w_stride, w_stride, nr, act + b0, nb, cols,
+               t.output + b0 * out_stride + rb, out_stride);
+        }
       }
     }
   };
   if (pool != nullptr && pool->num_threads() > 1) {
     // Keep each chunk worth a thread hand-off (~64K multiply-adds).
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (p.cols * p.batch));
-    pool->ParallelFor(p.rows, run_rows, grain);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * batch));
+    pool->ParallelFor(total_rows, run_rows, grain);
   } else {
-    run_rows(0, p.rows, 0);
+    run_rows(0, total_rows, 0);
   }
+}
+
+}  // namespace
+
+void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
+  CheckParams(p);
+  const MatmulTarget t{p.weight, p.rows, p.output, p.output_stride};
+  RunMatmul(p.weight_type, p.cols, p.input, p.input_stride ? p.input_stride : p.cols, p.batch,
+            std::span<const MatmulTarget>(&t, 1), pool);
+}
+
+void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t input_stride,
+                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool) {
+  for (const MatmulTarget& t : targets) {
+    MatmulParams p;
+    p.weight_type = weight_type;
+    p.weight = t.weight;
+    p.rows = t.rows;
+    p.cols = cols;
+    p.input = input;
+    p.input_stride = input_stride;
+    p.batch = batch;
+    p.output = t.output;
+    p.output_stride = t.output_stride;
+    CheckParams(p);
+  }
+  RunMatmul(weight_type, cols, input, input_stride ? input_stride : cols, batch, targets, pool);
 }
 
 void MatmulReference(const MatmulParams& p) {

@@ -212,6 +212,46 @@ TEST_P(MatmulTest, ThreadsAndBatchingDoNotChangeResults) {
   }
 }
 
+TEST_P(MatmulTest, MultiEqualsOneMatmulPerTarget) {
+  // Fused projections (three matrices of different heights on one input) must give each
+  // output exactly what its own Matmul gives, whatever the batch tile and the row split.
+  const DType t = GetParam();
+  const int64_t cols = 512;
+  const int64_t heights[] = {40, 9, 23};
+  std::vector<Weights> ws;
+  for (int i = 0; i < 3; ++i) ws.push_back(MakeWeights(t, heights[i], cols, 21 + i));
+  util::ThreadPool pool(2);
+  for (int64_t batch : {1, 3, 9}) {
+    const auto x = RandomNormal(batch * cols, 31 + batch);
+    for (Isa isa : AvailableIsas()) {
+      ScopedIsaCap cap(isa);
+      std::vector<std::vector<float>> fused(3), single(3);
+      std::vector<MatmulTarget> targets;
+      for (int i = 0; i < 3; ++i) {
+        fused[i].resize(batch * heights[i]);
+        single[i].resize(batch * heights[i]);
+        Poison(fused[i]);
+        Poison(single[i]);
+        targets.push_back({ws[i].bytes.data(), heights[i], fused[i].data(), 0});
+        MatmulParams p;
+        p.weight_type = t;
+        p.weight = ws[i].bytes.data();
+        p.rows = heights[i];
+        p.cols = cols;
+        p.input = x.data();
+        p.batch = batch;
+        p.output = single[i].data();
+        Matmul(p, nullptr);
+      }
+      MatmulMulti(t, cols, x.data(), 0, batch, targets, &pool);
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_EQ(0, std::memcmp(fused[i].data(), single[i].data(), fused[i].size() * 4))
+            << IsaName(isa) << " batch " << batch << " target " << i;
+      }
+    }
+  }
+}
+
 TEST_P(MatmulTest, GetRowDequantisesOneRow) {
   const DType t = GetParam();
   const Weights w = MakeWeights(t, 6, 512, 13);

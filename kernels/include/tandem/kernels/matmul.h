@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "tandem/kernels/dtype.h"
 
@@ -36,6 +37,21 @@ struct MatmulParams {
 };
 
 void Matmul(const MatmulParams& p, util::ThreadPool* pool);
+
+// One output of MatmulMulti: `rows` rows of weights (of the call's type and column count)
+// written to output[b * output_stride + r] (output_stride 0: rows).
+struct MatmulTarget {
+  const void* weight = nullptr;
+  int64_t rows = 0;
+  float* output = nullptr;
+  int64_t output_stride = 0;
+};
+
+// Several matrices of one type and column count applied to the same input, as the fused
+// Q/K/V and gate/up projections: the activations are converted once and the rows of all
+// targets are split over the pool in one hand-off. Each output equals Matmul's bit for bit.
+void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t input_stride,
+                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool);
 void MatmulReference(const MatmulParams& p);
 
 // Dot product of one weight row (n elements of type t) with a float vector, in the same
