@@ -1,6 +1,6 @@
 // Matmul driver: converts activations once per call into the weight type's vec-dot format
-// (internal::ActRow planes), then walks the weight rows in blocks, each thread owning a
-// contiguous range of rows. Within a row block every batch tile of kMaxTile activation rows is
+// (internal::ActRow planes), then walks the weight rows in blocks, threads taking chunks of
+// rows from a shared counter. Within a row block every batch tile of kMaxTile activation rows is
 // applied in turn, so a block of weight rows is fetched from memory once and re-read from cache
 // for the other tiles, and each tile kernel reads a weight row once for all its activation rows.
 // The tile kernels come from the best ISA level present (internal::*::GetTileKernels), with the
@@ -8,6 +8,7 @@
 #include "tandem/kernels/matmul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -557,10 +558,19 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
       }
     }
   };
-  if (pool != nullptr && pool->num_threads() > 1) {
-    // Keep each chunk worth a thread hand-off (~64K multiply-adds).
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * batch));
-    pool->ParallelFor(total_rows, run_rows, grain);
+  // Threads take chunks of rows from a shared counter rather than fixed halves: on a shared
+  // machine one of them is often descheduled, and the others then finish its part instead of
+  // waiting for it. A chunk is a GEMM row block, or 64 rows (about 128 KiB of Q8_0 weights at
+  // 2048 columns) for the small-batch tiles.
+  const int64_t chunk = gemm ? row_block : 4 * kRowBlock;
+  const int64_t n_chunks = (total_rows + chunk - 1) / chunk;
+  if (pool != nullptr && pool->num_threads() > 1 && n_chunks > 1) {
+    std::atomic<int64_t> next{0};
+    pool->RunOnAll([&](int) {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
+        run_rows(c * chunk, std::min(total_rows, (c + 1) * chunk), 0);
+      }
+    });
   } else {
     run_rows(0, total_rows, 0);
   }

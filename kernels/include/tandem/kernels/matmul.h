@@ -7,7 +7,8 @@
 // Q4_K/Q6_K, F16 for F16, BF16 for BF16, F32 for F32, and accumulates in that format's way.
 // That keeps tandem's numerics close to llama.cpp's. MatmulReference dequantises the weights and
 // accumulates in double with the float activations: the ground truth for tests.
-// Threading: Matmul splits rows over the pool (nullptr: run inline). Caller owns all buffers.
+// Threading: Matmul shares chunks of rows out over the pool (nullptr: run inline). Caller owns
+// all buffers.
 // Matmul's SIMD path is picked at run time (see cpu_features.h); it keeps a per-calling-thread
 // scratch buffer for the converted activations. Bad shapes (cols not a multiple of the block
 // size, null buffers, strides below the row length) are programmer errors and abort.
