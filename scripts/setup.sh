@@ -20,6 +20,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
 fi
 
+# promtool, which the metrics tests pipe each service's /metrics output through, comes with
+# Debian's prometheus package. Without recommends: the node exporter is not wanted.
+if ! command -v promtool >/dev/null; then
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends prometheus
+fi
+
 command -v npm >/dev/null || missing_npm=1
 if [ -n "${missing_npm:-}" ]; then
   DEBIAN_FRONTEND=noninteractive ${sudo_cmd:-} apt-get install -y -qq nodejs npm

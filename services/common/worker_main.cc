@@ -37,6 +37,9 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--ucx-tls", f->ucx_tls, "UCX transports: shm, tcp, all or a UCX_TLS list");
   app.add_option("--grace-ms", f->grace_ms, spec.grace_help)->check(CLI::NonNegativeNumber);
   app.add_option("--cpus", f->cpus, "pin the process to these CPUs, e.g. 0-3,6");
+  app.add_option("--metrics-port", f->metrics_port,
+                 "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
+      ->check(CLI::Range(0, 65535));
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
@@ -85,6 +88,14 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(so);
   if (!server.ok()) return FailWorker(o.binary, "starting the gRPC server", server.status());
   const int bound = (*server)->port();
+  // Before the port file and registration: whoever waits for either can scrape at once.
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (f.metrics_port > 0 && o.metrics != nullptr) {
+    absl::StatusOr<std::unique_ptr<MetricsServer>> ms =
+        MetricsServer::Start(f.host, f.metrics_port, o.metrics);
+    if (!ms.ok()) return FailWorker(o.binary, "--metrics-port", ms.status());
+    metrics_server = std::move(*ms);
+  }
   if (!f.port_file.empty()) {
     if (absl::Status st = WriteFileAtomically(f.port_file, absl::StrCat(bound, "\n")); !st.ok()) {
       return FailWorker(o.binary, "--port-file", st);
@@ -98,6 +109,9 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   std::printf("%s: worker %s%s serving on %s: model %s, %d KV blocks, transport %s\n",
               o.binary.c_str(), f.worker_id.c_str(), label.c_str(), (*server)->address().c_str(),
               model_file.c_str(), o.kv_blocks_total, o.transport_name.c_str());
+  if (metrics_server) {
+    std::printf("%s: metrics on %s\n", o.binary.c_str(), metrics_server->url().c_str());
+  }
   std::fflush(stdout);
 
   std::unique_ptr<RegistrationClient> registration;
@@ -120,6 +134,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
                f.grace_ms);
   if (registration) registration->Stop();  // the router stops sending new work first
   (*server)->Shutdown(absl::Milliseconds(f.grace_ms));
+  metrics_server.reset();  // after the drain, so its last counts can still be scraped
   return 0;
 }
 

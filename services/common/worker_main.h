@@ -1,6 +1,7 @@
 // What the tandem-prefill and tandem-decode main()s share: the flags both workers take, the
 // process setup that must happen before any thread starts, and the serving life cycle (gRPC
-// server, port file, registration with the router, drain on SIGTERM/SIGINT).
+// server, port file, registration with the router, Prometheus /metrics on --metrics-port, drain
+// on SIGTERM/SIGINT).
 //
 // Each main adds its own flags next to these, builds its worker from the parsed WorkerFlags,
 // then hands its gRPC service to ServeWorker. Flag names, defaults and behaviour are the ones
@@ -23,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
+#include "services/common/metrics.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace CLI {
@@ -53,6 +55,7 @@ struct WorkerFlags {
   std::string ucx_tls = "shm";
   int grace_ms = 10000;
   std::string cpus;
+  int metrics_port = 0;  // 0: no /metrics endpoint
 };
 
 // How one binary words and bounds the shared flags.
@@ -90,13 +93,17 @@ struct ServeOptions {
   int32_t kv_blocks_total = 0;
   std::string transport_name;  // printed
   std::function<v1::WorkerStats()> stats;
+  // Served on --host:--metrics-port when that is not 0; borrowed, must outlive ServeWorker.
+  Metrics* metrics = nullptr;
 };
 
-// Serves `o.service` on --host/--port (with health and reflection), writes --port-file once
-// serving, prints the serving line, registers with --router when given, then waits for
-// SIGTERM/SIGINT. Then it deregisters, lets in-flight calls finish for up to --grace-ms,
-// cancels the rest and returns 0. Returns 1 after printing "<binary>: <what>: <error>" when
-// the server, the port file or the registration cannot start.
+// Serves `o.service` on --host/--port (with health and reflection); with --metrics-port also
+// serves o.metrics on http://--host:PORT/metrics, from before the port file is written until
+// after the drain. Writes --port-file once serving, prints the serving line, registers with
+// --router when given, then waits for SIGTERM/SIGINT. Then it deregisters, lets in-flight calls
+// finish for up to --grace-ms, cancels the rest and returns 0. Returns 1 after printing
+// "<binary>: <what>: <error>" when the server, the metrics endpoint, the port file or the
+// registration cannot start.
 int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);
 
 // Prints "<binary>: <what>: <status>" to stderr and returns 1, the exit code.

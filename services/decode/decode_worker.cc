@@ -1,5 +1,7 @@
 #include "services/decode/decode_worker.h"
 
+#include <algorithm>
+#include <deque>
 #include <optional>
 #include <utility>
 
@@ -11,6 +13,28 @@
 #include "services/common/sampling_convert.h"
 
 namespace tandem::decode {
+namespace {
+
+// request_success_total's finished_reason for a request's final event.
+std::string FinishLabel(const engine::TokenEvent& ev) {
+  if (ev.status.code() == absl::StatusCode::kCancelled) return "cancelled";
+  if (!ev.status.ok()) return "error";
+  switch (ev.reason) {
+    case engine::FinishReason::kStop:
+      return "stop";
+    case engine::FinishReason::kLength:
+      return "length";
+    case engine::FinishReason::kNone:
+      break;
+  }
+  return "unknown";
+}
+
+double Seconds(absl::Duration d) {
+  return absl::ToDoubleSeconds(std::max(d, absl::ZeroDuration()));
+}
+
+}  // namespace
 
 bool TokenStream::Next(absl::Time deadline, engine::TokenEvent* ev) {
   absl::MutexLock l(&mu_);
@@ -145,7 +169,9 @@ void DecodeWorker::Loop() {
     if (o_.before_step && (scheduler_->num_running() > 0 || scheduler_->num_waiting() > 0)) {
       o_.before_step();
     }
+    iterate_start_ = absl::Now();
     absl::StatusOr<bool> progressed = scheduler_->Iterate();
+    if (o_.metrics != nullptr) NoteAdmitted(iterate_start_);
     // A failed step already finished the sequences it carried; keep serving the others.
     busy = progressed.ok() ? *progressed : scheduler_->num_running() > 0;
     PublishStats();
@@ -215,6 +241,54 @@ void DecodeWorker::PublishStats() {
   snapshot_.set_kv_blocks_total(pool.num_blocks());
   snapshot_.set_kv_blocks_free(pool.num_free());
   snapshot_.set_reservations(static_cast<int32_t>(reservations_.size()));
+  if (o_.metrics != nullptr) {
+    services::ServingMetrics& m = *o_.metrics;
+    m.num_requests_running.Set(scheduler_->num_running());
+    m.num_requests_waiting.Set(scheduler_->num_waiting());
+    // Reservations and quarantined blocks count as used: no other request can have them.
+    const int32_t total = pool.num_blocks();
+    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_free()) / total : 0.0);
+    if (const engine::PrefixCache* pc = scheduler_->prefix_cache(); pc != nullptr) {
+      const engine::PrefixCacheStats ps = pc->stats();
+      services::AdvanceCounterTo(m.prefix_cache_queries, static_cast<double>(ps.queries));
+      services::AdvanceCounterTo(m.prefix_cache_hits, static_cast<double>(ps.hits));
+    }
+  }
+}
+
+void DecodeWorker::NoteAdmitted(absl::Time at) {
+  while (queued_.size() > static_cast<size_t>(scheduler_->num_waiting())) {
+    RequestClock& c = *queued_.front();
+    c.queued = false;
+    o_.metrics->request_queue_time.Observe(Seconds(at - c.arrived));
+    queued_.pop_front();
+  }
+}
+
+void DecodeWorker::RecordEvent(const std::shared_ptr<RequestClock>& clock,
+                               const engine::TokenEvent& ev) {
+  services::ServingMetrics& m = *o_.metrics;
+  RequestClock& c = *clock;
+  const absl::Time now = absl::Now();
+  if (c.queued) {
+    // Still listed as waiting: a token means this Iterate admitted it (admission comes first);
+    // an end without one means it left the queue uncomputed (cancelled).
+    if (ev.token >= 0) m.request_queue_time.Observe(Seconds(iterate_start_ - c.arrived));
+    c.queued = false;
+    std::erase(queued_, clock);
+  }
+  if (ev.token >= 0) {
+    if (c.last_token == absl::InfinitePast()) {
+      if (c.measure_ttft) m.time_to_first_token.Observe(Seconds(now - c.arrived));
+    } else {
+      m.inter_token_latency.Observe(Seconds(now - c.last_token));
+    }
+    c.last_token = now;
+  }
+  if (ev.finished) {
+    m.e2e_request_latency.Observe(Seconds(now - c.arrived));
+    m.RequestSuccess(FinishLabel(ev)).Increment();
+  }
 }
 
 v1::WorkerStats DecodeWorker::Stats() const {
@@ -288,13 +362,16 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
 }
 
 engine::GenerationRequest DecodeWorker::MakeRequest(const v1::DecodeRequest& req,
-                                                    std::shared_ptr<TokenStream> stream) {
+                                                    std::shared_ptr<TokenStream> stream,
+                                                    std::shared_ptr<RequestClock> clock) {
   engine::GenerationRequest g;
   g.id = req.request_id();
   g.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
   g.sampling = services::SamplingFromProto(req.sampling());
   // Runs on the engine thread (inside Submit*, Iterate or Cancel).
-  g.on_event = [this, stream = std::move(stream), id = g.id](const engine::TokenEvent& ev) {
+  g.on_event = [this, stream = std::move(stream), id = g.id,
+                clock = std::move(clock)](const engine::TokenEvent& ev) {
+    if (o_.metrics != nullptr) RecordEvent(clock, ev);
     if (ev.finished) active_.erase(id);
     stream->Push(ev);
   };
@@ -305,13 +382,14 @@ absl::StatusOr<std::shared_ptr<TokenStream>> DecodeWorker::StartDecode(
     const v1::DecodeRequest& req) {
   auto stream = std::make_shared<TokenStream>();
   absl::Status st = absl::InternalError("not run");
-  TANDEM_RETURN_IF_ERROR(Call([&] { st = DoStartDecode(req, stream); }));
+  const absl::Time arrived = absl::Now();
+  TANDEM_RETURN_IF_ERROR(Call([&] { st = DoStartDecode(req, stream, arrived); }));
   TANDEM_RETURN_IF_ERROR(st);
   return stream;
 }
 
 absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
-                                         std::shared_ptr<TokenStream> stream) {
+                                         std::shared_ptr<TokenStream> stream, absl::Time arrived) {
   const std::string& id = req.request_id();
   if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
   if (active_.contains(id)) {
@@ -323,8 +401,16 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
       return absl::AlreadyExistsError(absl::StrCat("request ", id, " holds a reservation"));
     }
     active_[id] = true;
-    absl::Status st = scheduler_->Submit(MakeRequest(req, std::move(stream)));
-    if (!st.ok()) active_.erase(id);
+    auto clock = std::make_shared<RequestClock>();
+    clock->arrived = arrived;
+    clock->measure_ttft = true;
+    absl::Status st = scheduler_->Submit(MakeRequest(req, std::move(stream), clock));
+    if (!st.ok()) {
+      active_.erase(id);
+    } else if (o_.metrics != nullptr) {
+      clock->queued = true;
+      queued_.push_back(std::move(clock));
+    }
     return st;
   }
 
@@ -365,6 +451,7 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   for (int64_t i = 0; i < prompt_blocks; ++i) {
     if (sums[i] != req.block_checksums(static_cast<int>(i))) {
       integrity_failures_.fetch_add(1);
+      if (o_.metrics != nullptr) o_.metrics->kv_integrity_failures.Increment();
       const std::string msg = absl::StrFormat(
           "request %s: KV block %d (pool block %d) has checksum %016x, prefill sent %016x; "
           "the transferred KV is corrupt",
@@ -375,12 +462,21 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   }
   // Registered before submitting: the first event may already finish the request.
   active_[id] = true;
-  absl::Status st = scheduler_->SubmitPrefilled(MakeRequest(req, std::move(stream)), r.blocks,
-                                                req.first_token_id());
+  auto clock = std::make_shared<RequestClock>();
+  clock->arrived = arrived;
+  absl::Status st = scheduler_->SubmitPrefilled(MakeRequest(req, std::move(stream), clock),
+                                                r.blocks, req.first_token_id());
   if (!st.ok()) {
     active_.erase(id);
     // Validation failed before the scheduler took the blocks.
     Quarantine(id, std::move(r.blocks), absl::StrCat("was refused (", st.message(), ")"));
+  } else if (o_.metrics != nullptr) {
+    // Admitted at once: the prefill already ran and the blocks are reserved.
+    o_.metrics->request_queue_time.Observe(Seconds(absl::Now() - arrived));
+    if (req.kv_transfer_bytes() > 0) {
+      o_.metrics->kv_transfer_bytes.Observe(static_cast<double>(req.kv_transfer_bytes()));
+      o_.metrics->kv_transfer_seconds.Observe(std::max(req.kv_transfer_seconds(), 0.0));
+    }
   }
   return st;
 }

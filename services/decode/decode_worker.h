@@ -24,6 +24,12 @@
 // lease expiry) and never spins.
 // Ownership: the transport (optional: without one only colocated requests work) and the model
 // are the caller's and must outlive the worker.
+// Metrics (optional, DecodeWorkerOptions::metrics): recorded on the engine thread. Queue time
+// is the wait in the scheduler's queue (0 for a prefilled request, admitted at once); TTFT only
+// for prefill_locally requests (a remote prefill's first token is not this worker's to time);
+// inter-token latency, e2e (Decode call to the last event) and request_success_total by finish
+// reason for every request; running, waiting and KV usage after every turn; kv_transfer_* from
+// what the DecodeRequest passes on of the prefill's report; integrity failures as they happen.
 // Errors: NOT_FOUND (no such reservation, or it expired or was cancelled), DATA_LOSS (a block's
 // checksum differs: the blocks are quarantined and kv_integrity_failures counts it),
 // RESOURCE_EXHAUSTED (no room for a reservation), INVALID_ARGUMENT (bad request), UNAVAILABLE
@@ -46,6 +52,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/scheduler.h"
+#include "services/common/metrics.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::decode {
@@ -63,6 +70,8 @@ struct DecodeWorkerOptions {
   // Test twin hook: runs on the engine thread before every scheduler iteration that has work.
   // Tests slow the loop with it (to cancel mid-stream deterministically) or count steps.
   std::function<void()> before_step;
+  // Where this worker's series go (labelled with its model and role); not owned, may be null.
+  services::ServingMetrics* metrics = nullptr;
 };
 
 // The events of one request, in order; the last one has finished set. Filled by the engine
@@ -108,6 +117,13 @@ class DecodeWorker {
   const std::string& model_name() const;
 
  private:
+  // One request's timestamps for the metrics; engine thread only.
+  struct RequestClock {
+    absl::Time arrived;
+    absl::Time last_token = absl::InfinitePast();
+    bool queued = false;        // in queued_: waiting in the scheduler's queue
+    bool measure_ttft = false;  // this worker computes the first token
+  };
   struct Reservation {
     std::vector<int32_t> blocks;  // prompt + max_tokens
     int32_t prompt_tokens = 0;
@@ -136,9 +152,15 @@ class DecodeWorker {
   absl::Time NextWake() const;
   void PublishStats();
   absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
-  absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream);
+  absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream,
+                             absl::Time arrived);
   engine::GenerationRequest MakeRequest(const v1::DecodeRequest& req,
-                                        std::shared_ptr<TokenStream> stream);
+                                        std::shared_ptr<TokenStream> stream,
+                                        std::shared_ptr<RequestClock> clock);
+  // Metrics helpers (engine thread; only with o_.metrics).
+  void RecordEvent(const std::shared_ptr<RequestClock>& clock, const engine::TokenEvent& ev);
+  // Requests the last Iterate admitted (it admits first, at `at`) leave queued_.
+  void NoteAdmitted(absl::Time at);
   void FreeBlocks(const std::vector<int32_t>& blocks);
 
   DecodeWorkerOptions o_;
@@ -154,6 +176,11 @@ class DecodeWorker {
   absl::flat_hash_map<std::string, Reservation> reservations_;
   absl::flat_hash_map<std::string, bool> active_;  // ids submitted and not yet finished
   std::deque<Quarantined> quarantine_;             // in release order (the hold is fixed)
+  // The colocated requests in the scheduler's queue, in its (FIFO) order, so queue time can be
+  // measured without the scheduler reporting admissions: after an Iterate, those beyond
+  // num_waiting() at the back were admitted by it. Only kept with o_.metrics.
+  std::deque<std::shared_ptr<RequestClock>> queued_;
+  absl::Time iterate_start_;  // when the current Iterate began (it admits first)
 
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> inbox_ ABSL_GUARDED_BY(mu_);

@@ -66,7 +66,10 @@ int Main(int argc, char** argv) {
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
 
+  // Recorded always (a few atomics per token); served only with --metrics-port.
+  services::Metrics metrics;
   decode::DecodeWorkerOptions wo;
+  wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), role);
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
   wo.engine = services::EngineOptionsFromFlags(flags);
   wo.worker_id = flags.worker_id;
@@ -88,6 +91,7 @@ int Main(int argc, char** argv) {
   so.transport_name = *kv_transport ? (*kv_transport)->capabilities().name : "none";
   decode::DecodeWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
+  so.metrics = &metrics;
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
   return rc;

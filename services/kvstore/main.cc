@@ -3,9 +3,12 @@
 //   tandem-kvstore [--host H] [--port P] [--port-file F] [--dir SSD_DIR]
 //                  [--device-mb N] [--host-mb N] [--ssd-mb N] [--block-kb N]
 //                  [--high-watermark F] [--low-watermark F] [--ssd-min-hits N] [--no-io-uring]
+//                  [--metrics-port P] [--model-name NAME]
 //
 // Serves tandem.v1.KvStore (plus health and reflection). SSD is enabled when --dir is given and
 // --ssd-mb is positive; blocks already in --dir are served again after a restart.
+// --metrics-port serves Prometheus metrics (services/kvstore/metrics.h) on
+// http://HOST:PORT/metrics, labelled model_name=--model-name and role="kvstore".
 // SIGTERM / SIGINT: stop accepting, let in-flight calls finish, exit 0.
 #include <cstdio>
 #include <string>
@@ -13,8 +16,10 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "services/common/grpc_server.h"
+#include "services/common/metrics.h"
 #include "services/common/process_util.h"
 #include "services/kvstore/kvstore_service.h"
+#include "services/kvstore/metrics.h"
 #include "services/kvstore/tiered_store.h"
 
 namespace {
@@ -30,7 +35,8 @@ int main(int argc, char** argv) {
   using tandem::kvstore::TieredStoreConfig;
   TieredStoreConfig c;
   std::string host = "127.0.0.1", port_file, cpus;
-  int port = 0;
+  int port = 0, metrics_port = 0;
+  std::string model_name;
   uint64_t device_mb = 64, host_mb = 256, ssd_mb = 1024, block_kb = 64;
   double high = c.device.high_watermark, low = c.device.low_watermark;
   int64_t grace_ms = 2000;
@@ -51,6 +57,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-io-uring", no_io_uring, "SSD I/O with pread/pwrite instead of io_uring");
   app.add_option("--grace-ms", grace_ms, "On SIGTERM, time in-flight calls get to finish");
   app.add_option("--cpus", cpus, "Pin to these CPUs, e.g. 0,2-3");
+  app.add_option("--metrics-port", metrics_port,
+                 "Serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--model-name", model_name, "The model_name label of the metrics");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -86,6 +96,16 @@ int main(int argc, char** argv) {
                  static_cast<long long>(tier->NumBlocks()));
   }
   std::fprintf(stderr, "tandem-kvstore: serving on %s\n", (*server)->address().c_str());
+  // Declared after the store: the server (and so every scrape) ends before the store does.
+  tandem::services::Metrics metrics;
+  std::unique_ptr<tandem::services::MetricsServer> metrics_server;
+  if (metrics_port > 0) {
+    tandem::kvstore::ExportKvStoreMetrics(store->get(), model_name, "kvstore", &metrics);
+    auto ms = tandem::services::MetricsServer::Start(host, metrics_port, &metrics);
+    if (!ms.ok()) return Fail(ms.status());
+    metrics_server = std::move(*ms);
+    std::fprintf(stderr, "tandem-kvstore: metrics on %s\n", metrics_server->url().c_str());
+  }
   if (!port_file.empty()) {
     if (absl::Status st =
             tandem::services::WriteFileAtomically(port_file, absl::StrCat((*server)->port(), "\n"));

@@ -59,7 +59,10 @@ int Main(int argc, char** argv) {
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
 
+  // Recorded always (a few atomics per request); served only with --metrics-port.
+  services::Metrics metrics;
   prefill::PrefillWorkerOptions wo;
+  wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), "prefill");
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
   wo.engine = services::EngineOptionsFromFlags(flags);
   wo.worker_id = flags.worker_id;
@@ -83,6 +86,7 @@ int Main(int argc, char** argv) {
   so.transport_name = (*kv_transport)->capabilities().name;
   prefill::PrefillWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
+  so.metrics = &metrics;
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
   return rc;

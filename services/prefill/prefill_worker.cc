@@ -22,6 +22,7 @@ struct PrefillWorker::Job {
   uint64_t kv_stride = 0;
   absl::Time deadline;
   std::chrono::steady_clock::time_point write_deadline;
+  absl::Time arrived;  // when Prefill was called
 
   std::atomic<bool> cancelled{false};
 
@@ -148,7 +149,9 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
 
 absl::StatusOr<v1::PrefillResponse> PrefillWorker::Prefill(
     const v1::PrefillRequest& req, absl::Time deadline, const std::function<bool()>& caller_gone) {
+  const absl::Time arrived = absl::Now();
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, MakeJob(req, deadline));
+  job->arrived = arrived;
   {
     absl::MutexLock l(&mu_);
     if (stop_) return absl::UnavailableError("prefill worker is shutting down");
@@ -211,6 +214,13 @@ void PrefillWorker::PublishStats() {
   snapshot_.set_waiting(static_cast<int32_t>(queue_.size() + pending_.size()));
   snapshot_.set_kv_blocks_total(pool.num_blocks());
   snapshot_.set_kv_blocks_free(pool.num_free());
+  if (o_.metrics != nullptr) {
+    services::ServingMetrics& m = *o_.metrics;
+    m.num_requests_running.Set(snapshot_.running());
+    m.num_requests_waiting.Set(snapshot_.waiting());
+    const int32_t total = pool.num_blocks();
+    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_free()) / total : 0.0);
+  }
 }
 
 void PrefillWorker::Loop() {
@@ -289,6 +299,10 @@ void PrefillWorker::Admit() {
     }
     j.local_blocks = std::move(*blocks);
     j.compute_start = absl::Now();
+    if (o_.metrics != nullptr) {
+      o_.metrics->request_queue_time.Observe(
+          absl::ToDoubleSeconds(std::max(j.compute_start - j.arrived, absl::ZeroDuration())));
+    }
     active_.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
@@ -453,6 +467,10 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
     r.set_transfer_seconds(
         absl::ToDoubleSeconds(std::max(writes_done - job->compute_end, absl::ZeroDuration())));
     r.set_transport(transport_name_);
+    if (o_.metrics != nullptr) {
+      o_.metrics->kv_transfer_bytes.Observe(static_cast<double>(bytes));
+      o_.metrics->kv_transfer_seconds.Observe(r.transfer_seconds());
+    }
     Complete(*job, std::move(r));
   }
 }
@@ -460,6 +478,10 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
 void PrefillWorker::Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result) {
   // Callers read Stats() right after their answer: publish what freeing this request changed.
   PublishStats();
+  if (o_.metrics != nullptr) {
+    o_.metrics->e2e_request_latency.Observe(
+        absl::ToDoubleSeconds(std::max(absl::Now() - job.arrived, absl::ZeroDuration())));
+  }
   {
     absl::MutexLock l(&mu_);
     auto it = by_id_.find(job.id);

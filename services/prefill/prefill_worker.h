@@ -15,6 +15,11 @@
 // only count completions and wake the engine thread. Local blocks stay allocated until every
 // write that reads them has completed, even when the request was cancelled.
 // Ownership: model and transport belong to the caller and must outlive the worker.
+// Metrics (optional, PrefillWorkerOptions::metrics): queue time (Prefill call to admission,
+// when local blocks are allocated), e2e (Prefill call to its answer, any outcome), the KV
+// transfer of each successful request (its bytes, and the transfer time compute did not hide:
+// PrefillResponse.transfer_seconds), running, waiting and local KV usage after every turn. No
+// prefix cache runs here, so its counters stay at zero.
 // Errors: INVALID_ARGUMENT (bad prompt, sampling or destination), FAILED_PRECONDITION (the
 // destination's KV layout differs from this worker's), ALREADY_EXISTS (id in flight),
 // CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE (peer unreachable, or shutting down).
@@ -35,6 +40,7 @@
 #include "absl/time/time.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
+#include "services/common/metrics.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::prefill {
@@ -51,6 +57,8 @@ struct PrefillWorkerOptions {
   // Test twin hook: runs on the engine thread before every engine step. Tests hold the engine
   // with it to cancel queued or running prefills deterministically.
   std::function<void()> before_step;
+  // Where this worker's series go (labelled with its model and role); not owned, may be null.
+  services::ServingMetrics* metrics = nullptr;
 };
 
 class PrefillWorker {
