@@ -2,7 +2,7 @@
 //
 //   tandem-router --model M [--port P] [--host H] [--policy least-load|round-robin]
 //                 [--lease-ms L] [--max-inflight N] [--max-queue N] [--cpus LIST]
-//                 [--port-file F] [--http-port Q (reserved, ignored)]
+//                 [--port-file F] [--http-port Q (OpenAI-compatible HTTP; 0: off)]
 //
 // SIGTERM / SIGINT: stop accepting, give in-flight requests a grace period, exit 0.
 #include <cstdio>
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   app.add_option("--model-id", o.model_id, "Model name clients use (default: file stem)");
   app.add_option("--host", o.host, "Address to listen on");
   app.add_option("--port", o.port, "gRPC port (0: any free port)");
-  app.add_option("--http-port", http_port, "OpenAI-compatible HTTP port (reserved; ignored)");
+  app.add_option("--http-port", http_port, "OpenAI-compatible HTTP port (0: no HTTP)");
   app.add_option("--ctx-size", o.ctx_size, "Context per sequence (0: min(model's, 4096))");
   app.add_option("--policy", policy, "Worker selection: least-load or round-robin");
   app.add_option("--lease-ms", lease_ms, "Worker lease: dropped without a heartbeat this long");
@@ -70,7 +70,14 @@ int main(int argc, char** argv) {
     if (absl::Status st = tandem::services::PinToCpus(*list); !st.ok()) return Fail(st);
   }
 
-  auto server = tandem::router::RouterServer::Create(o);
+  if (http_port < 0 || http_port > 65535) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--http-port must be in [0, 65535], got ", http_port)));
+  }
+  tandem::router::HttpFrontOptions http;
+  http.enabled = http_port > 0;
+  http.port = http_port;
+  auto server = tandem::router::RouterServer::Create(o, http);
   if (!server.ok()) return Fail(server.status());
   if (!port_file.empty()) {
     if (absl::Status st =

@@ -1,12 +1,14 @@
 #include "services/router/router_server.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/gguf/gguf.h"
 #include "common/util/status_util.h"
 #include "services/router/log.h"
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterOptions& o) {
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterOptions& o,
+                                                                   const HttpFrontOptions& http) {
   TANDEM_RETURN_IF_ERROR(ValidateRouterOptions(o));
   auto s = std::unique_ptr<RouterServer>(new RouterServer());
   s->o_ = o;
@@ -30,6 +32,24 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
   so.services = {s->inference_.get(), s->registry_service_.get()};
   TANDEM_ASSIGN_OR_RETURN(s->server_, services::GrpcServer::Start(so));
   s->sweeper_ = std::thread([raw = s.get()] { raw->SweepLoop(); });
+  if (http.enabled) {
+    // The chat template is GGUF metadata the tokenizer does not keep: read it here (the
+    // mapping is opened again, but only the metadata is touched).
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gguf::GgufFile> file,
+                            gguf::GgufFile::Open(s->model_->path()));
+    TANDEM_ASSIGN_OR_RETURN(ChatTemplate chat, ChatTemplate::FromGguf(*file));
+    if (chat.is_fallback()) {
+      Logf("chat: %s; /v1/chat/completions renders chatml-shaped plain text",
+           chat.description().c_str());
+    }
+    HttpServerOptions ho;
+    ho.host = o.host;
+    ho.port = http.port;
+    ho.router_address = s->address();
+    ho.verbose = o.verbose;
+    ho.metrics_text = http.metrics_text;
+    TANDEM_ASSIGN_OR_RETURN(s->http_, HttpServer::Start(ho, s->model_.get(), std::move(chat)));
+  }
   Logf("serving %s (%s, context %d, vocab %d) on %s:%d, policy %s, lease %lld ms",
        s->model_->id().c_str(), s->model_->config().arch_name.c_str(), s->model_->ctx_size(),
        s->model_->vocab_size(), o.host.c_str(), s->server_->port(), PolicyName(o.policy),
@@ -62,10 +82,13 @@ void RouterServer::Shutdown(absl::Duration grace) {
     // to the gRPC server instead would also wait for idle client connections to close, which
     // an idle gRPC client only notices at its next backup poll, seconds later.
     inference_->StartDraining();
+    if (http_ != nullptr) http_->StartDraining();
     const absl::Time deadline = absl::Now() + grace;
     while (inference_->active() > 0 && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(10));
     }
+    // HTTP requests are gRPC calls by now: what the grace left running is cancelled here.
+    if (http_ != nullptr) http_->Stop();
     server_->Shutdown(absl::ZeroDuration());
   }
   stop_.Notify();

@@ -1,7 +1,9 @@
 // RouterServer: the router process minus flag parsing. Owns the model's tokenizer, the worker
 // registry, admission control, the worker channels and the gRPC server (services/common's
 // bootstrap) that hosts the Inference and Registry services plus grpc.health.v1 and reflection. A
-// background thread expires worker leases.
+// background thread expires worker leases. With HttpFrontOptions::enabled it also runs the
+// OpenAI-compatible HTTP front door (http_server.h), which sends completions to this router's own
+// gRPC endpoint over loopback, so both front doors share one code path.
 //
 // Lifecycle: Create (listens and serves before it returns) -> Shutdown (health turns
 // NOT_SERVING, new requests are refused with UNAVAILABLE, running ones get `grace` to finish,
@@ -11,7 +13,9 @@
 // cannot bind (UNAVAILABLE).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -19,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "services/common/grpc_server.h"
 #include "services/router/admission.h"
+#include "services/router/http_server.h"
 #include "services/router/router_model.h"
 #include "services/router/router_service.h"
 #include "services/router/worker_channels.h"
@@ -26,15 +31,25 @@
 
 namespace tandem::router {
 
+// The HTTP front door; off unless enabled.
+struct HttpFrontOptions {
+  bool enabled = false;
+  int port = 0;                               // 0: any free port (see RouterServer::http_port())
+  std::function<std::string()> metrics_text;  // GET /metrics body when set
+};
+
 class RouterServer {
  public:
-  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(const RouterOptions& o);
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Create(const RouterOptions& o,
+                                                              const HttpFrontOptions& http = {});
   ~RouterServer();
   RouterServer(const RouterServer&) = delete;
   RouterServer& operator=(const RouterServer&) = delete;
 
   int port() const { return server_->port(); }
   std::string address() const;  // host:port as clients on this host reach it
+  int http_port() const { return http_ == nullptr ? 0 : http_->port(); }  // 0: no HTTP
+  HttpServer* http() { return http_.get(); }                              // null without HTTP
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 
   WorkerRegistry& registry() { return *registry_; }
@@ -53,6 +68,7 @@ class RouterServer {
   std::unique_ptr<InferenceService> inference_;
   std::unique_ptr<RegistryService> registry_service_;
   std::unique_ptr<services::GrpcServer> server_;
+  std::unique_ptr<HttpServer> http_;  // after server_: destroyed (stopped) first
   absl::Notification stop_;
   std::thread sweeper_;
   bool shut_down_ = false;

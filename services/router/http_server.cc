@@ -1,0 +1,365 @@
+#include "services/router/http_server.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "httplib.h"
+#include "services/common/grpc_server.h"
+#include "services/common/grpc_status.h"
+#include "services/router/log.h"
+
+namespace tandem::router {
+namespace {
+
+constexpr char kJson[] = "application/json";
+
+// httplib's own pool has a fixed size chosen at start (8 threads here), and a streaming
+// response holds its thread for the whole generation: 8 concurrent streams would stall every
+// other client, health checks included. This pool starts empty and grows on demand.
+class ElasticTaskQueue final : public httplib::TaskQueue {
+ public:
+  explicit ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
+  ~ElasticTaskQueue() override { shutdown(); }
+
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(fn));
+    // Idle threads not yet woken still count as idle: compare them with the jobs waiting.
+    if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
+      threads_.emplace_back([this] { Work(); });
+    } else {
+      cv_.notify_one();
+    }
+  }
+
+  void shutdown() override {
+    std::vector<std::thread> threads;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stop_ = true;
+      threads.swap(threads_);
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads) t.join();
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      idle_++;
+      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      idle_--;
+      if (jobs_.empty()) return;  // stopping, and every queued job has been taken
+      std::function<void()> fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+
+  const size_t max_threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  bool stop_ = false;
+};
+
+void SendJson(httplib::Response& res, int status, const nlohmann::json& j) {
+  res.status = status;
+  res.set_content(DumpJson(j), kJson);
+}
+
+void SendError(httplib::Response& res, const HttpError& e) {
+  SendJson(res, e.status, ErrorJson(e));
+}
+
+}  // namespace
+
+// One completion in flight. Owned by a shared_ptr that the streaming content provider holds,
+// so it lives until httplib is done with the response.
+struct HttpServer::Call {
+  HttpServer* server = nullptr;
+  OpenAiRequest req;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
+  bool finished = false;  // reader->Finish() has been called
+  grpc::Status status;
+  uint64_t watch = 0;
+  Accumulated acc;
+  std::optional<SseEncoder> sse;
+  bool opened = false;
+  std::optional<v1::GenerateResponse> pending;  // read before the status line was sent
+  absl::Time start = absl::Now();
+
+  const grpc::Status& Finish() {
+    if (!finished) {
+      finished = true;
+      status = reader->Finish();
+    }
+    return status;
+  }
+  ~Call() {
+    server->Untrack(this);
+    server->watcher_.Unwatch(watch);
+    if (reader != nullptr && !finished) {
+      // The client left mid-stream (or the server stops): end the Generate call, which
+      // cancels the request on its workers, and reap it.
+      ctx.TryCancel();
+      v1::GenerateResponse m;
+      while (reader->Read(&m)) {
+      }
+      Finish();
+    }
+    if (server->o_.verbose) {
+      Logf("http %s %s: %d completion tokens, %s, %.1f ms", req.id.c_str(),
+           req.stream ? "stream" : "json", acc.completion_tokens,
+           status.ok() ? "ok" : status.error_message().c_str(),
+           absl::ToDoubleMilliseconds(absl::Now() - start));
+    }
+  }
+};
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& o,
+                                                              const RouterModel* model,
+                                                              ChatTemplate chat) {
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http port must be in [0, 65535], got ", o.port));
+  }
+  if (o.router_address.empty()) return absl::InvalidArgumentError("router_address is required");
+  auto s = std::unique_ptr<HttpServer>(new HttpServer());
+  s->o_ = o;
+  s->model_ = model;
+  s->chat_ = std::move(chat);
+  s->started_ = absl::ToUnixSeconds(absl::Now());
+  s->channel_ = grpc::CreateChannel(o.router_address, grpc::InsecureChannelCredentials());
+  s->stub_ = v1::Inference::NewStub(s->channel_);
+  s->server_ = std::make_unique<httplib::Server>();
+  const size_t max_threads = static_cast<size_t>(std::max(4, o.max_threads));
+  s->server_->new_task_queue = [max_threads] { return new ElasticTaskQueue(max_threads); };
+  s->server_->set_payload_max_length(64u << 20);
+  s->server_->set_read_timeout(30, 0);
+  s->server_->set_write_timeout(30, 0);
+  s->server_->set_tcp_nodelay(true);
+  s->Register();
+  if (o.port == 0) {
+    s->port_ = s->server_->bind_to_any_port(o.host);
+  } else {
+    s->port_ = s->server_->bind_to_port(o.host, o.port) ? o.port : -1;
+  }
+  if (s->port_ <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for HTTP on ", services::JoinHostPort(o.host, o.port)));
+  }
+  httplib::Server* raw = s->server_.get();
+  s->listener_ = std::thread([raw] { raw->listen_after_bind(); });
+  // stop() is a no-op until the listener runs; wait, so that a prompt Stop is never lost.
+  // (Connections made meanwhile wait in the bound socket's backlog.)
+  for (int i = 0; i < 5000 && !raw->is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
+  Logf("OpenAI-compatible HTTP on %s (chat template: %s)",
+       services::JoinHostPort(o.host, s->port_).c_str(), s->chat_.description().c_str());
+  return s;
+}
+
+HttpServer::~HttpServer() { Stop(); }
+
+void HttpServer::Stop() {
+  std::call_once(stop_once_, [this] {
+    {
+      absl::MutexLock lock(&calls_mu_);
+      stopping_ = true;
+      for (Call* c : calls_) c->ctx.TryCancel();
+    }
+    // Let the cancelled streams write their error event and [DONE] before the server stops
+    // writing altogether.
+    for (absl::Time until = absl::Now() + absl::Seconds(2); absl::Now() < until;) {
+      {
+        absl::MutexLock lock(&calls_mu_);
+        if (calls_.empty()) break;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    if (server_ != nullptr) server_->stop();
+    if (listener_.joinable()) listener_.join();
+  });
+}
+
+void HttpServer::Track(Call* c) {
+  absl::MutexLock lock(&calls_mu_);
+  calls_.insert(c);
+  if (stopping_) c->ctx.TryCancel();
+}
+
+void HttpServer::Untrack(Call* c) {
+  absl::MutexLock lock(&calls_mu_);
+  calls_.erase(c);
+}
+
+void HttpServer::Register() {
+  httplib::Server& s = *server_;
+  s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleGenerate(ApiKind::kCompletion, req, res);
+  });
+  s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleGenerate(ApiKind::kChat, req, res);
+  });
+  s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    SendJson(res, 200, ModelsJson(*model_, started_));
+  });
+  s.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    if (!model_->Matches(id)) {
+      HttpError e;
+      e.status = 404;
+      e.message = absl::StrCat("model '", id, "' is not served here");
+      e.param = "model";
+      e.code = "model_not_found";
+      return SendError(res, e);
+    }
+    SendJson(res, 200, ModelJson(*model_, started_));
+  });
+  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    res.status = draining_ ? 503 : 200;
+  });
+  s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    nlohmann::json out;
+    if (auto e = Tokenize(req.body, *model_, chat_, &out)) return SendError(res, *e);
+    SendJson(res, 200, out);
+  });
+  s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    nlohmann::json out;
+    if (auto e = Detokenize(req.body, *model_, &out)) return SendError(res, *e);
+    SendJson(res, 200, out);
+  });
+  if (o_.metrics_text) {
+    s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(o_.metrics_text(), "text/plain; version=0.0.4");
+    });
+  }
+  // Every error without a body of its own (unknown path, bad method) gets an OpenAI-shaped one.
+  s.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
+                                                              httplib::Response& res) {
+    if (!res.body.empty() || req.method == "HEAD") {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    HttpError e;
+    e.status = res.status;
+    e.message = res.status == 404 ? absl::StrCat("no such endpoint: ", req.method, " ", req.path)
+                                  : absl::StrCat("HTTP ", res.status);
+    if (res.status == 404) e.code = "not_found";
+    if (res.status >= 500) e.type = "server_error";
+    if (res.status == 503) e.type = "service_unavailable_error";
+    SendError(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  s.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        HttpError e;
+        e.status = 500;
+        e.type = "server_error";
+        e.message = "internal error";
+        try {
+          if (ep) std::rethrow_exception(ep);
+        } catch (const std::exception& ex) {
+          e.message = absl::StrCat("internal error: ", ex.what());
+        } catch (...) {
+        }
+        SendError(res, e);
+      });
+  if (o_.verbose) {
+    s.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+      Logf("http %s %s -> %d", req.method.c_str(), req.path.c_str(), res.status);
+    });
+  }
+}
+
+void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httplib::Response& res) {
+  requests_++;
+  auto c = std::make_shared<Call>();
+  c->server = this;
+  if (auto e = ParseOpenAiRequest(kind, req.body, *model_, chat_, &c->req)) {
+    return SendError(res, *e);
+  }
+  Track(c.get());
+  // No deadline of our own: the router gives requests without one its --timeout-ms, exactly
+  // as for gRPC clients.
+  c->watch = watcher_.Watch(
+      FindConnectionSocket(req.remote_addr, req.remote_port, req.local_addr, req.local_port),
+      [this, raw = c.get()] {
+        disconnects_++;
+        raw->ctx.TryCancel();
+      });
+  c->reader = stub_->Generate(&c->ctx, c->req.generate);
+
+  if (!c->req.stream) {
+    v1::GenerateResponse m;
+    while (c->reader->Read(&m)) c->acc.Add(m);
+    const grpc::Status& gs = c->Finish();
+    if (!gs.ok()) return SendError(res, ErrorFromStatus(services::FromGrpcStatus(gs), kind));
+    if (!c->acc.finished) {
+      return SendError(
+          res, ErrorFromStatus(absl::InternalError("the generation ended without a final message"),
+                               kind));
+    }
+    return SendJson(res, 200, CompletionJson(c->req, c->acc));
+  }
+
+  // Streaming: hold the status line until the first token, so early refusals keep their code.
+  v1::GenerateResponse first;
+  if (!c->reader->Read(&first)) {
+    const grpc::Status& gs = c->Finish();
+    const absl::Status st = gs.ok() ? absl::InternalError("the generation produced nothing")
+                                    : services::FromGrpcStatus(gs);
+    return SendError(res, ErrorFromStatus(st, kind));
+  }
+  c->pending = std::move(first);
+  c->sse.emplace(c->req);
+  res.status = 200;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider("text/event-stream", [c, kind](size_t, httplib::DataSink& sink) {
+    auto put = [&sink](const std::string& s) {
+      return s.empty() || sink.write(s.data(), s.size());
+    };
+    if (!c->opened) {
+      c->opened = true;
+      if (!put(c->sse->Open())) return false;
+    }
+    v1::GenerateResponse m;
+    if (c->pending) {
+      m = std::move(*c->pending);
+      c->pending.reset();
+    } else if (!c->reader->Read(&m)) {
+      const grpc::Status& gs = c->Finish();
+      const absl::Status st =
+          gs.ok() ? absl::InternalError("the generation ended without a final message")
+                  : services::FromGrpcStatus(gs);
+      put(c->sse->Error(ErrorFromStatus(st, kind)));
+      sink.done();
+      return true;
+    }
+    c->acc.Add(m);
+    if (!put(c->sse->Delta(m.text()))) return false;
+    if (m.finished()) {
+      while (c->reader->Read(&m)) {
+      }
+      c->Finish();
+      if (!put(c->sse->Finish(c->acc))) return false;
+      sink.done();
+    }
+    return true;
+  });
+}
+
+}  // namespace tandem::router
