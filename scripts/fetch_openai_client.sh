@@ -3,7 +3,8 @@
 # (git-ignored) for tests/integration/openai_client. `npm pack` downloads only the package
 # tarball, which is unpacked as node_modules/openai: openai 6 has no runtime dependencies.
 # Version: the newest major needs Node 22; 6.30.1 runs on the Node 20 these machines have.
-# Idempotent; `make test` never calls it (the test skips when the package is absent).
+# Idempotent; scripts/setup.sh (and so `make test`) calls it. The test skips when the package
+# is absent.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 version=$(sed -n 's/.*"openai": *"\([0-9.]*\)".*/\1/p' "$here/tests/integration/openai_client/package.json")

@@ -35,3 +35,5 @@ if [ -n "${missing_npm:-}" ]; then
 fi
 
 "$here/scripts/fetch_vocab.sh"
+# The official openai npm client, which the HTTP front door's integration test drives.
+"$here/scripts/fetch_openai_client.sh"
