@@ -17,6 +17,7 @@
 #include "services/common/sampling_convert.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "tests/component/services/cluster_fixture.h"
+#include "tests/fakes/child_process.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/unit/services/metrics_scrape.h"
 
@@ -24,61 +25,6 @@ namespace tandem::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A child process with its output in a log file; killed if still running at destruction.
-class Child {
- public:
-  Child(const std::string& binary, const std::vector<std::string>& args, const std::string& log)
-      : log_(log) {
-    // Built before fork: the test process has threads, so the child may only exec.
-    const std::string path = std::string(TANDEM_BIN_DIR) + "/" + binary;
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(path.c_str()));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
-      execv(path.c_str(), argv.data());
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  void Signal(int sig) { kill(pid_, sig); }
-  // The exit status, or -1 when still running after `timeout`.
-  int Wait(absl::Duration timeout) {
-    const absl::Time end = absl::Now() + timeout;
-    while (absl::Now() < end) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return -1;
-  }
-  std::string Log() const {
-    std::ifstream f(log_);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-
- private:
-  std::string log_;
-  pid_t pid_ = -1;
-  bool exited_ = false;
-};
 
 // A loopback port that was free a moment ago (the metrics flag takes a fixed port; 0 is off).
 int FreePort() {
@@ -110,7 +56,7 @@ class MetricsBinariesTest : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
-  int WaitForPortFile(const std::string& file, Child& c) {
+  int WaitForPortFile(const std::string& file, ChildProcess& c) {
     const absl::Time end = absl::Now() + absl::Seconds(30);
     while (absl::Now() < end) {
       std::ifstream f(file);
@@ -143,7 +89,7 @@ TEST_F(MetricsBinariesTest, DecodeServesMetricsThatARequestMoves) {
   ASSERT_GT(mport, 0);
   std::vector<std::string> args = WorkerFlags("dec", mport);
   for (const char* a : {"--role", "both", "--transport", "none"}) args.push_back(a);
-  Child c("tandem-decode", args, Path("dec.log"));
+  ChildProcess c("tandem-decode", args, Path("dec.log"));
   const int port = WaitForPortFile(Path("dec.port"), c);
   ASSERT_GT(port, 0) << c.Log();
   EXPECT_NE(c.Log().find("metrics on http://127.0.0.1:" + std::to_string(mport) + "/metrics"),
@@ -199,8 +145,8 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
   ASSERT_NE(pport, kport);
   std::vector<std::string> pargs = WorkerFlags("pre", pport);
   for (const char* a : {"--transport", "inproc"}) pargs.push_back(a);
-  Child p("tandem-prefill", pargs, Path("pre.log"));
-  Child k("tandem-kvstore",
+  ChildProcess p("tandem-prefill", pargs, Path("pre.log"));
+  ChildProcess k("tandem-kvstore",
           {"--port", "0", "--port-file", Path("kv.port"), "--device-mb", "1", "--host-mb", "1",
            "--metrics-port", std::to_string(kport), "--model-name", "tiny"},
           Path("kv.log"));
@@ -253,7 +199,7 @@ TEST_F(MetricsBinariesTest, ATakenMetricsPortStopsTheWorker) {
 
   std::vector<std::string> args = WorkerFlags("dec", taken);
   for (const char* x : {"--transport", "none"}) args.push_back(x);
-  Child c("tandem-decode", args, Path("dec.log"));
+  ChildProcess c("tandem-decode", args, Path("dec.log"));
   EXPECT_EQ(c.Wait(absl::Seconds(30)), 1) << c.Log();
   EXPECT_NE(c.Log().find("tandem-decode: --metrics-port:"), std::string::npos) << c.Log();
   EXPECT_FALSE(fs::exists(Path("dec.port")));  // never announced itself

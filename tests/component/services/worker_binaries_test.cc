@@ -16,67 +16,13 @@
 #include "services/common/transport_factory.h"
 #include "tests/component/services/cluster_fixture.h"
 #include "tests/component/services/fake_registry.h"
+#include "tests/fakes/child_process.h"
 #include "tests/fakes/tiny_model.h"
 
 namespace tandem::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-class Process {
- public:
-  Process(const std::string& binary, const std::vector<std::string>& args, const std::string& log)
-      : log_(log) {
-    // Everything the child needs is built before fork: between fork and exec only
-    // async-signal-safe calls are allowed, since the test process has threads.
-    const std::string path = std::string(TANDEM_BIN_DIR) + "/" + binary;
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(path.c_str()));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
-      execv(path.c_str(), argv.data());
-      _exit(127);
-    }
-  }
-  ~Process() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  void Signal(int sig) { kill(pid_, sig); }
-  // Exit status, or -1 when the process is still running after `timeout`.
-  int Wait(absl::Duration timeout) {
-    const absl::Time end = absl::Now() + timeout;
-    while (absl::Now() < end) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return -1;
-  }
-  std::string Log() const {
-    std::ifstream f(log_);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-
- private:
-  std::string log_;
-  pid_t pid_ = -1;
-  bool exited_ = false;
-};
 
 class WorkerBinariesTest : public ::testing::Test {
  protected:
@@ -116,12 +62,12 @@ class WorkerBinariesTest : public ::testing::Test {
 
 TEST_F(WorkerBinariesTest, HelpExitsZero) {
   for (const char* bin : {"tandem-decode", "tandem-prefill"}) {
-    Process p(bin, {"--help"}, Path(std::string(bin) + ".log"));
+    ChildProcess p(bin, {"--help"}, Path(std::string(bin) + ".log"));
     EXPECT_EQ(p.Wait(absl::Seconds(20)), 0) << p.Log();
     EXPECT_NE(p.Log().find("--port-file"), std::string::npos) << p.Log();
     EXPECT_NE(p.Log().find("--transport"), std::string::npos);
   }
-  Process bad("tandem-decode", {"--model", "/nonexistent.gguf", "--transport", "none"},
+  ChildProcess bad("tandem-decode", {"--model", "/nonexistent.gguf", "--transport", "none"},
               Path("bad.log"));
   EXPECT_EQ(bad.Wait(absl::Seconds(20)), 1);
   EXPECT_NE(bad.Log().find("nonexistent"), std::string::npos) << bad.Log();
@@ -147,8 +93,8 @@ TEST_F(WorkerBinariesTest, ServeRegisterAndExitCleanlyOnSigterm) {
   for (const char* f : {"--transport", "inproc", "--router"}) pflags.push_back(f);
   pflags.push_back(reg_server->address());
 
-  Process d("tandem-decode", dflags, Path("d1.log"));
-  Process p("tandem-prefill", pflags, Path("p1.log"));
+  ChildProcess d("tandem-decode", dflags, Path("d1.log"));
+  ChildProcess p("tandem-prefill", pflags, Path("p1.log"));
   const int dport = WaitForPort(Path("d1.port"));
   const int pport = WaitForPort(Path("p1.port"));
   ASSERT_GT(dport, 0) << d.Log();
@@ -234,8 +180,8 @@ TEST_F(WorkerBinariesTest, DisaggregatedOverUcxAcrossProcesses) {
   for (auto* flags : {&dflags, &pflags}) {
     *(std::find(flags->begin(), flags->end(), "--grace-ms") + 1) = "10000";
   }
-  Process d("tandem-decode", dflags, Path("d2.log"));
-  Process p("tandem-prefill", pflags, Path("p2.log"));
+  ChildProcess d("tandem-decode", dflags, Path("d2.log"));
+  ChildProcess p("tandem-prefill", pflags, Path("p2.log"));
   const int dport = WaitForPort(Path("d2.port"));
   const int pport = WaitForPort(Path("p2.port"));
   ASSERT_GT(dport, 0) << d.Log();
@@ -335,8 +281,8 @@ TEST_F(WorkerBinariesTest, CancelDuringPrefillReturnsBothPoolsToBaseline) {
                         "--test-step-delay-ms", "150"}) {
     pflags.push_back(f);
   }
-  Process d("tandem-decode", dflags, Path("d3.log"));
-  Process p("tandem-prefill", pflags, Path("p3.log"));
+  ChildProcess d("tandem-decode", dflags, Path("d3.log"));
+  ChildProcess p("tandem-prefill", pflags, Path("p3.log"));
   const int dport = WaitForPort(Path("d3.port"));
   const int pport = WaitForPort(Path("p3.port"));
   ASSERT_GT(dport, 0) << d.Log();

@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "services/common/grpc_server.h"
+#include "tests/fakes/child_process.h"
 #include "tests/unit/kvstore/test_util.h"
 
 namespace tandem::kvstore {
@@ -157,59 +158,6 @@ TEST(KvStoreServiceTest, LookupPutGetStatsOverGrpc) {
   (*server)->Shutdown(absl::Seconds(1));
 }
 
-class Process {
- public:
-  Process(const std::vector<std::string>& args, const std::string& log) : log_(log) {
-    // Built before fork: the child may only make async-signal-safe calls before exec.
-    const std::string path = std::string(TANDEM_BIN_DIR) + "/tandem-kvstore";
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(path.c_str()));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
-      execv(path.c_str(), argv.data());
-      _exit(127);
-    }
-  }
-  ~Process() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  // Exit status after SIGTERM, or -1 if it does not exit in time.
-  int Stop() {
-    kill(pid_, SIGTERM);
-    const absl::Time end = absl::Now() + absl::Seconds(10);
-    while (absl::Now() < end) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return -1;
-  }
-  std::string Log() const {
-    std::ifstream f(log_);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-
- private:
-  std::string log_;
-  pid_t pid_ = -1;
-  bool exited_ = false;
-};
-
 int WaitForPort(const std::string& file) {
   const absl::Time end = absl::Now() + absl::Seconds(20);
   while (absl::Now() < end) {
@@ -234,7 +182,7 @@ TEST(KvStoreBinaryTest, ServesAndKeepsSsdBlocksAcrossARestart) {
   {
     auto args = flags;
     args.push_back(scratch.path() + "/a.port");
-    Process p(args, scratch.path() + "/a.log");
+    tandem::testing::ChildProcess p("tandem-kvstore", args, scratch.path() + "/a.log");
     const int port = WaitForPort(scratch.path() + "/a.port");
     ASSERT_GT(port, 0) << p.Log();
     auto stub = Dial(port);
@@ -259,7 +207,7 @@ TEST(KvStoreBinaryTest, ServesAndKeepsSsdBlocksAcrossARestart) {
   }
   auto args = flags;
   args.push_back(scratch.path() + "/b.port");
-  Process p(args, scratch.path() + "/b.log");
+  tandem::testing::ChildProcess p("tandem-kvstore", args, scratch.path() + "/b.log");
   const int port = WaitForPort(scratch.path() + "/b.port");
   ASSERT_GT(port, 0) << p.Log();
   auto stub = Dial(port);
