@@ -357,6 +357,7 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   for (int64_t i = 0; i < prompt_blocks; ++i) dst->add_block_ids(r.blocks[i]);
   services::FillKvLayout(kv, dst);
   resp.set_lease_expires_unix_ms(static_cast<uint64_t>(absl::ToUnixMillis(r.expires)));
+  dst->set_lease_expires_unix_ms(resp.lease_expires_unix_ms());
   reservations_.emplace(id, std::move(r));
   return resp;
 }

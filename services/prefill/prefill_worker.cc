@@ -141,8 +141,20 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
   job->layer_stride = dst.layer_stride();
   job->kv_stride = dst.kv_stride();
   job->deadline = deadline;
-  const absl::Duration left =
+  absl::Duration left =
       std::min(o_.max_transfer_time, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  if (dst.lease_expires_unix_ms() > 0) {
+    // No write may land after the reservation's lease: decode then quarantines the blocks and
+    // will hand them to another request.
+    const absl::Duration lease_left =
+        absl::FromUnixMillis(static_cast<int64_t>(dst.lease_expires_unix_ms())) - absl::Now();
+    if (lease_left <= absl::ZeroDuration()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the KV reservation for request ", req.request_id(), " on ", dst.decode_worker(),
+          " expired before prefill started"));
+    }
+    left = std::min(left, lease_left);
+  }
   job->write_deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(left);
   return job;
 }
@@ -395,6 +407,16 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t st
   }
   uint64_t bytes = 0;
   for (const auto& op : ops) bytes += op.length;
+  if (std::chrono::steady_clock::now() >= job.write_deadline) {
+    // Past the deadline or the reservation's lease: these blocks may no longer be ours.
+    absl::MutexLock l(&job.mu);
+    if (job.write_status.ok()) {
+      job.write_status = absl::DeadlineExceededError(
+          "KV write deadline (request deadline or the reservation's lease) passed; no more "
+          "writes into the decode worker's blocks");
+    }
+    return;
+  }
   {
     absl::MutexLock l(&job.mu);
     ++job.writes_in_flight;

@@ -280,7 +280,12 @@ TEST_F(ServicesTest, ExpiredReservationIsQuarantinedAgainstALatePrefill) {
   const absl::Time t0 = absl::Now();
   absl::StatusOr<v1::ReserveResponse> slow = c.Reserve("slow", 60, 20, /*lease_ms=*/150);
   ASSERT_TRUE(slow.ok()) << slow.status();
-  const v1::PrefillRequest slow_pr = PrefillFor("slow", slow_prompt, sp, slow->destination());
+  // A prefill that does not know the lease (the field cleared), so it keeps writing after it:
+  // the quarantine alone must protect the blocks. (PrefillStopsWritingWhenTheLeaseRunsOut
+  // covers a prefill that knows it.)
+  v1::KvDestination no_lease = slow->destination();
+  no_lease.clear_lease_expires_unix_ms();
+  const v1::PrefillRequest slow_pr = PrefillFor("slow", slow_prompt, sp, no_lease);
   grpc::Status slow_st;
   v1::PrefillResponse slow_resp;
   std::thread writer([&] { slow_st = c.Prefill(slow_pr, &slow_resp); });
@@ -330,6 +335,45 @@ TEST_F(ServicesTest, ExpiredReservationIsQuarantinedAgainstALatePrefill) {
   absl::StatusOr<v1::ReserveResponse> all = c.Reserve("all", 100, 92);  // 12 blocks
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ(c.DecodeStats().kv_blocks_free(), 0);
+}
+
+TEST_F(ServicesTest, PrefillStopsWritingWhenTheLeaseRunsOut) {
+  absl::Notification entered, release;
+  std::atomic<bool> first{true};
+  ClusterOptions co;
+  co.decode_kv_blocks = 12;
+  co.prefill_before_step = [&] {
+    if (first.exchange(false)) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+  };
+  TestCluster c(model_, co);
+  const engine::SamplingParams sp = Greedy(20);
+  absl::StatusOr<v1::ReserveResponse> r = c.Reserve("slow", 60, 20, /*lease_ms=*/150);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->destination().lease_expires_unix_ms(), r->lease_expires_unix_ms());
+  EXPECT_GT(r->destination().lease_expires_unix_ms(), 0u);
+  const v1::PrefillRequest pr = PrefillFor("slow", TestPrompt(60, 23), sp, r->destination());
+  grpc::Status st;
+  v1::PrefillResponse resp;
+  std::thread writer([&] { st = c.Prefill(pr, &resp); });
+  entered.WaitForNotification();
+  ASSERT_TRUE(c.WaitForDecode([](const v1::WorkerStats& s) { return s.reservations() == 0; }));
+  release.Notify();
+  writer.join();
+  // Its first layer would be written after the lease: nothing is written, the request fails.
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_NE(st.error_message().find("lease"), std::string::npos) << st.error_message();
+
+  // A prefill that arrives after the lease is refused before it computes anything.
+  absl::StatusOr<v1::ReserveResponse> gone = c.Reserve("gone", 60, 20, /*lease_ms=*/50);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  absl::SleepFor(absl::Milliseconds(80));
+  v1::PrefillResponse late_resp;
+  const grpc::Status late =
+      c.Prefill(PrefillFor("gone", TestPrompt(60, 24), sp, gone->destination()), &late_resp);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << late.error_message();
 }
 
 TEST_F(ServicesTest, CancelledReservationIsQuarantinedThenFreed) {
