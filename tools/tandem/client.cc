@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "services/common/sampling_convert.h"
 #include "tandem/v1/inference.grpc.pb.h"
 
 namespace tandem::tools {
@@ -35,24 +36,6 @@ const char* ReasonName(v1::FinishReason r) {
   }
 }
 
-v1::SamplingParams ToProto(const engine::SamplingParams& s) {
-  v1::SamplingParams p;
-  p.set_temperature(s.temperature);
-  p.set_top_k(s.top_k);
-  p.set_top_p(s.top_p);
-  p.set_min_p(s.min_p);
-  p.set_repetition_penalty(s.repetition_penalty);
-  p.set_presence_penalty(s.presence_penalty);
-  p.set_frequency_penalty(s.frequency_penalty);
-  p.set_penalty_last_n(s.penalty_last_n);
-  p.set_seed(s.seed);
-  p.set_max_tokens(s.max_tokens);
-  for (int32_t id : s.stop_token_ids) p.add_stop_token_ids(id);
-  for (const std::string& stop : s.stop_strings) p.add_stop(stop);
-  p.set_ignore_eos(s.ignore_eos);
-  return p;
-}
-
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -72,7 +55,7 @@ absl::Status RunClient(const ClientOptions& o) {
   req.set_text(o.prompt);
   req.set_model(o.model);
   req.set_request_id(o.request_id);
-  *req.mutable_sampling() = ToProto(o.sampling);
+  *req.mutable_sampling() = services::SamplingToProto(o.sampling);
   grpc::ClientContext cc;
   if (o.timeout_ms > 0) {
     cc.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(o.timeout_ms));
