@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -218,7 +219,14 @@ class RemotePeer {
     }
   }
   bool is_process() const { return pid_ > 0; }
-  void Freeze() { kill(pid_, SIGSTOP); }
+  // Returns once every thread of the peer has stopped: kill() only queues the signal, and
+  // a peer still running for a moment could finish a message-based write.
+  void Freeze() {
+    kill(pid_, SIGSTOP);
+    int status = 0;
+    while (waitpid(pid_, &status, WUNTRACED) < 0 && errno == EINTR) {
+    }
+  }
   void Thaw() { kill(pid_, SIGCONT); }
 
  private:
