@@ -70,6 +70,7 @@ struct Options {
   int32_t batch_tokens = 512;
   std::string kv_type = "f16";
   uint64_t seed = 1;
+  bool pack_weights = true;
 };
 
 double Median(std::vector<double> v) {
@@ -245,6 +246,7 @@ double SweepOnce(MatmulSweep& s, util::ThreadPool& pool) {
     kernels::MatmulParams p;
     p.weight_type = w->type;
     p.weight = w->data;
+    p.packed = w->packed;
     p.rows = w->rows;
     p.cols = w->cols;
     p.input = s.in.data();
@@ -264,6 +266,7 @@ KernelRate KernelOnce(const engine::WeightView& w, int64_t rows, MatmulSweep& s)
   kernels::MatmulParams p;
   p.weight_type = w.type;
   p.weight = w.data;
+  p.packed = w.packed;
   p.rows = rows;
   p.cols = w.cols;
   p.input = s.in.data();
@@ -300,7 +303,7 @@ nlohmann::json Series(const std::vector<double>& v) {
 
 absl::Status Run(const Options& o) {
   const auto t_load = Clock::now();
-  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Model> model, engine::Model::Load(o.model_path));
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Model> model, engine::Model::Load(o.model_path, {.pack_weights = o.pack_weights}));
   const double load_s = SecondsSince(t_load);
   const engine::ModelConfig& c = model->config();
   const double wbytes = static_cast<double>(model->weight_bytes_per_token());
@@ -311,6 +314,7 @@ absl::Status Run(const Options& o) {
   j["model"] = o.model_path;
   j["arch"] = c.arch_name;
   j["weight_type"] = std::string(kernels::Traits(model->layer(0).wq.type).name);
+  j["packed_weights"] = model->layer(0).wq.packed;
   j["n_layer"] = c.n_layer;
   j["n_embd"] = c.n_embd;
   j["n_vocab"] = c.n_vocab;
@@ -429,7 +433,10 @@ int main(int argc, char** argv) {
   app.add_option("--batch-tokens", o.batch_tokens, "Engine max_batch_tokens (prefill chunk)");
   app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (llama.cpp's default) or f32");
   app.add_option("--seed", o.seed, "Seed of the random prompts");
+  bool no_pack = false;
+  app.add_flag("--no-pack", no_pack, "Use the GGUF rows as they are (no packed weights)");
   CLI11_PARSE(app, argc, argv);
+  o.pack_weights = !no_pack;
   o.modes = absl::StrSplit(modes, ',', absl::SkipEmpty());
   if (o.threads < 1 || o.reps < 1 || o.n_gen < 1 || o.n_prefill < 1 || o.n_seqs < 1 ||
       o.seq_prompt < 1 || o.matmul_batch < 1) {

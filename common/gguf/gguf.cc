@@ -383,6 +383,17 @@ void GgufFile::Prefault() const {
   }
 }
 
+void GgufFile::Release(const void* p, size_t n) const {
+  if (map_ == nullptr || n == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(p);
+  const auto map_begin = reinterpret_cast<uintptr_t>(map_);
+  if (begin < map_begin || begin + n > map_begin + map_size_) return;
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = (begin + n) / page * page;
+  if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::FromBuffer(std::span<const uint8_t> bytes) {
   std::unique_ptr<GgufFile> f(new GgufFile());
   f->path_ = "<buffer>";

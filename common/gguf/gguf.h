@@ -99,6 +99,9 @@ class GgufFile {
   // pass does not stall on page faults; a server calls this at load, a tokenizer-only reader
   // does not. A no-op for borrowed buffers.
   void Prefault() const;
+  // Drops the mapped pages that lie wholly inside [p, p + n), which the caller will not read
+  // again (they would be read back from the file if it did). A no-op for buffers.
+  void Release(const void* p, size_t n) const;
   std::span<const KeyValue> metadata() const { return metadata_; }
   std::span<const TensorInfo> tensors() const { return tensors_; }
 

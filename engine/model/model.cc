@@ -1,9 +1,16 @@
 #include "engine/model/model.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
+#include "tandem/kernels/matmul.h"
 #include "tandem/kernels/quant.h"
 
 namespace tandem::engine {
@@ -126,14 +133,67 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
   return c;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path,
+                                                   const ModelLoadOptions& options) {
   std::unique_ptr<Model> m(new Model());
   TANDEM_ASSIGN_OR_RETURN(m->file_, gguf::GgufFile::Open(path));
   TANDEM_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*m->file_));
   TANDEM_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*m->file_));
   TANDEM_RETURN_IF_ERROR(m->Bind());
   m->file_->Prefault();
+  if (options.pack_weights) m->PackWeights();
   return m;
+}
+
+void Model::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
+
+void Model::PackWeights() {
+  std::vector<WeightView*> views = {&output_};
+  for (LayerWeights& l : layers_) {
+    for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+      views.push_back(v);
+    }
+  }
+  constexpr size_t kHugePage = size_t{2} << 20;
+  size_t total = 0;
+  std::vector<size_t> sizes;
+  for (const WeightView* v : views) {
+    sizes.push_back(kernels::PackedWeightBytes(v->type, v->rows, v->cols));
+    total += sizes.back();
+  }
+  if (total == 0) return;
+  total = (total + kHugePage - 1) / kHugePage * kHugePage;
+  auto* buffer = static_cast<uint8_t*>(std::aligned_alloc(kHugePage, total));
+  if (buffer == nullptr) return;  // keep the mapped rows: slower, still correct
+  // Best effort: without transparent huge pages the buffer is just slower to walk.
+  (void)::madvise(buffer, total, MADV_HUGEPAGE);
+  packed_.reset(buffer);
+  std::vector<size_t> offsets(views.size());
+  for (size_t i = 1; i < views.size(); ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
+  // Matrices are packed by every core (about a second for a 1B model on one), each thread
+  // taking the next matrix.
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < views.size();) {
+      const WeightView& v = *views[i];
+      if (sizes[i] != 0) kernels::PackWeights(v.type, v.data, v.rows, v.cols, buffer + offsets[i]);
+    }
+  };
+  std::vector<std::thread> threads;
+  const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned t = 1; t < n_threads; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < views.size(); ++i) {
+    WeightView& v = *views[i];
+    if (sizes[i] == 0) continue;
+    // The mapped rows are not read again unless the embedding table shares them (tied output).
+    if (v.data != token_embd_.data) {
+      file_->Release(v.data, kernels::RowBytes(v.type, v.cols) * static_cast<uint64_t>(v.rows));
+    }
+    v.data = buffer + offsets[i];
+    v.packed = true;
+  }
 }
 
 absl::Status Model::Bind() {

@@ -44,12 +44,21 @@ struct ModelConfig {
   static absl::StatusOr<ModelConfig> FromGguf(const gguf::GgufFile& f);
 };
 
-// A weight matrix view: rows of `cols` elements of `type`, in the mapped file.
+// A weight matrix view: rows of `cols` elements of `type`, in the mapped file, or in the
+// model's packed copy (kernels::PackWeights' layout) when `packed`.
 struct WeightView {
   kernels::DType type = kernels::DType::kF32;
   const void* data = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;
+  bool packed = false;
+};
+
+struct ModelLoadOptions {
+  // Repack the matrices the forward pass multiplies by into the layout of this CPU's fastest
+  // matmul kernel (kernels::PackedWeightBytes > 0), in one huge-page-backed buffer; the mapped
+  // file's pages of those tensors are then given back. The embedding table stays as it is.
+  bool pack_weights = true;
 };
 
 struct LayerWeights {
@@ -60,7 +69,8 @@ struct LayerWeights {
 
 class Model {
  public:
-  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& path,
+                                                     const ModelLoadOptions& options = {});
 
   const ModelConfig& config() const { return config_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -77,6 +87,11 @@ class Model {
  private:
   Model() = default;
   absl::Status Bind();
+  void PackWeights();
+
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const;
+  };
 
   std::unique_ptr<gguf::GgufFile> file_;
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -84,6 +99,7 @@ class Model {
   WeightView token_embd_, output_;
   std::vector<float> output_norm_, rope_freqs_;
   std::vector<LayerWeights> layers_;
+  std::unique_ptr<uint8_t, FreeDeleter> packed_;  // every packed matrix, back to back
 };
 
 }  // namespace tandem::engine

@@ -33,6 +33,7 @@ void MatmulRows(const WeightView& w, const float* in, int64_t batch, float* out,
   p.batch = batch;
   p.output = out;
   p.output_stride = w.rows;
+  p.packed = w.packed;
   kernels::Matmul(p, pool);
 }
 
@@ -42,14 +43,16 @@ void MatmulSameInput(std::initializer_list<std::pair<const WeightView*, float*>>
                      const float* in, int64_t batch, util::ThreadPool* pool) {
   const WeightView& first = *outs.begin()->first;
   bool same = true;
-  for (const auto& [w, out] : outs) same = same && w->type == first.type && w->cols == first.cols;
+  for (const auto& [w, out] : outs) {
+    same = same && w->type == first.type && w->cols == first.cols && w->packed == first.packed;
+  }
   if (!same) {
     for (const auto& [w, out] : outs) MatmulRows(*w, in, batch, out, pool);
     return;
   }
   std::vector<kernels::MatmulTarget> targets;
   for (const auto& [w, out] : outs) targets.push_back({w->data, w->rows, out, w->rows});
-  kernels::MatmulMulti(first.type, first.cols, in, first.cols, batch, targets, pool);
+  kernels::MatmulMulti(first.type, first.cols, in, first.cols, batch, targets, pool, first.packed);
 }
 
 void AddBias(float* rows, const std::vector<float>& bias, int64_t n_rows) {

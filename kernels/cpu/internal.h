@@ -77,7 +77,29 @@ struct ActRow {
   const void* values = nullptr;
   const float* scales = nullptr;
   const int16_t* bsums = nullptr;
+  // Packed weights only: per block, -(weight offset) * (sum of the block's int8 values), the
+  // term that cancels the unsigned offset the packed weights carry (see kPackRows).
+  const int32_t* offsets = nullptr;
 };
+
+// Packed weights (PackWeights): groups of kPackRows rows with their 32-value blocks
+// interleaved, so one 512-bit register holds four consecutive values of each of the 16 rows and
+// one VPDPBUSD against four broadcast activations advances all 16 dot products. Per group:
+//   values: nblk blocks of kPackQ8_0ValueBytes (Q8_0) or kPackQ4_0ValueBytes (Q4_0), then
+//   scales: nblk x 16 fp16 (row m's block scale at 2m), padded to 64 bytes.
+// Q8_0 block: 8 chunks of 64 bytes; chunk k holds values 4k..4k+3 of row m at 4m, each plus
+// 128 as uint8. Q4_0 block: 4 chunks of 64 bytes; chunk c holds bytes qs[4c..4c+3] of row m at
+// 4m, so its low nibbles are values 4c.., its high nibbles values 4c+16.. (each value plus 8).
+// Rows past the matrix's last are zero with zero scales.
+inline constexpr int kPackRows = 16;
+inline constexpr int kPackQ8_0ValueBytes = 512;
+inline constexpr int kPackQ4_0ValueBytes = 256;
+inline constexpr int kPackTile = 8;  // activation rows one packed kernel call handles
+
+// Computes out[b * out_stride + m] for m < valid_rows (<= kPackRows), b < nb (<= kPackTile),
+// over one packed group of nblk blocks.
+using PackedFn = void (*)(const uint8_t* group, int64_t nblk, const ActRow* act, int nb,
+                          float* out, int64_t out_stride, int valid_rows);
 
 inline constexpr int kMaxTile = 4;  // activation rows one tile call handles
 
@@ -123,6 +145,13 @@ TileKernels GetTileKernels(bool with_bf16);
 // A tile kernel for the GEMM activation layout (nb up to kGemmTile), or null for weight types
 // without one.
 TileFn GetGemmKernel(DType weight_type);
+// The packed-weight kernel for Q8_0 or Q4_0, or null for other types.
+PackedFn GetPackedKernel(DType weight_type);
+// Q8_0 activation blocks exactly as matmul.cc's scalar QuantizeQ8_0Block: values q[32 * nblk],
+// decoded scales[nblk], and (when sums is not null) sums[b] = weight_offset * -(sum of block
+// b's values).
+void QuantizeQ8_0Blocks(const float* x, int64_t nblk, int8_t* q, float* scales, int32_t* sums,
+                        int32_t weight_offset);
 
 bool AttentionSupports(const PagedAttentionParams& p);
 void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,

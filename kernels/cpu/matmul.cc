@@ -34,7 +34,12 @@ using internal::BlockQ8_0;
 using internal::BlockQ8K;
 using internal::kMaxTile;
 using internal::kMxfp4Values;
+using internal::kPackQ4_0ValueBytes;
+using internal::kPackQ8_0ValueBytes;
+using internal::kPackRows;
+using internal::kPackTile;
 using internal::kQKK;
+using internal::PackedFn;
 using internal::TileFn;
 using internal::TileKernels;
 
@@ -159,6 +164,12 @@ void ConvertActivation(DType vt, const float* x, int64_t n, uint8_t* dst, const 
     case DType::kQ8_0: {
       auto* q = reinterpret_cast<int8_t*>(dst);
       auto* s = reinterpret_cast<float*>(dst + l.values);
+#if TANDEM_KERNELS_X86
+      if (ActiveIsa() >= Isa::kAvx512) {
+        internal::avx512::QuantizeQ8_0Blocks(x, n / 32, q, s, nullptr, 0);
+        return;
+      }
+#endif
       for (int64_t b = 0; b < n / 32; ++b) {
         uint16_t d16;
         QuantizeQ8_0Block(x + 32 * b, q + 32 * b, &d16);
@@ -348,6 +359,90 @@ TANDEM_SCALAR_TILE(TileQ4K, DotQ4K(reinterpret_cast<const BlockQ4K*>(row), a, co
 TANDEM_SCALAR_TILE(TileQ6K, DotQ6K(reinterpret_cast<const BlockQ6K*>(row), a, cols))
 #undef TANDEM_SCALAR_TILE
 
+// ---- Packed weights (internal.h describes the layout) -----------------------------------------
+
+struct PackGeometry {
+  int64_t nblk = 0;         // 32-value blocks per row
+  int64_t value_bytes = 0;  // per block of a group
+  int64_t group_bytes = 0;  // values, scales and padding of 16 rows
+};
+
+PackGeometry GeometryOf(DType t, int64_t cols) {
+  PackGeometry g;
+  g.nblk = cols / 32;
+  g.value_bytes = t == DType::kQ8_0 ? kPackQ8_0ValueBytes : kPackQ4_0ValueBytes;
+  g.group_bytes = static_cast<int64_t>(RoundUp64(g.nblk * (g.value_bytes + 2 * kPackRows)));
+  return g;
+}
+
+// Value j (0..31) of row m in block b of a packed group, without its offset.
+template <bool kQ4>
+int PackedValue(const uint8_t* block, int m, int j) {
+  if constexpr (kQ4) {
+    const uint8_t byte = block[64 * ((j % 16) / 4) + 4 * m + j % 4];
+    return (j < 16 ? byte & 0xf : byte >> 4) - 8;
+  } else {
+    return static_cast<int>(block[64 * (j / 4) + 4 * m + j % 4]) - 128;
+  }
+}
+
+// The definition of the packed kernels' numerics (the SIMD kernel gives the same bits): per
+// row, acc = fma(integer dot, weight scale * activation scale, acc) block after block.
+template <bool kQ4>
+void PackedScalar(const uint8_t* group, int64_t nblk, const ActRow* act, int nb, float* out,
+                  int64_t os, int valid_rows) {
+  const int64_t vb = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
+  const auto* scales = reinterpret_cast<const uint16_t*>(group + nblk * vb);
+  for (int b = 0; b < nb; ++b) {
+    const auto* a = static_cast<const int8_t*>(act[b].values);
+    for (int m = 0; m < valid_rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < nblk; ++i) {
+        int isum = 0;
+        for (int j = 0; j < 32; ++j) isum += PackedValue<kQ4>(group + vb * i, m, j) * a[32 * i + j];
+        const float scale = Fp16ToF32(scales[kPackRows * i + m]) * act[b].scales[i];
+        acc = std::fma(static_cast<float>(isum), scale, acc);
+      }
+      out[b * os + m] = acc;
+    }
+  }
+}
+
+// Packed activations: int8 values and float scales as for Q8_0, plus each block's offset term.
+ActLayout PackedLayout(int64_t n) {
+  ActLayout l;
+  l.values = RoundUp64(n);
+  l.scales = RoundUp64(n / 32 * sizeof(float));
+  l.bsums = RoundUp64(n / 32 * sizeof(int32_t));  // the offsets plane
+  return l;
+}
+
+void ConvertActivationPacked(DType weight_type, const float* x, int64_t n, uint8_t* dst,
+                             const ActLayout& l, ActRow* row) {
+  const int32_t weight_offset = weight_type == DType::kQ8_0 ? 128 : 8;
+  auto* q = reinterpret_cast<int8_t*>(dst);
+  auto* s = reinterpret_cast<float*>(dst + l.values);
+  auto* o = reinterpret_cast<int32_t*>(dst + l.values + l.scales);
+  row->values = q;
+  row->scales = s;
+  row->bsums = nullptr;
+  row->offsets = o;
+#if TANDEM_KERNELS_X86
+  if (ActiveIsa() >= Isa::kAvx512) {
+    internal::avx512::QuantizeQ8_0Blocks(x, n / 32, q, s, o, weight_offset);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < n / 32; ++b) {
+    uint16_t d16;
+    QuantizeQ8_0Block(x + 32 * b, q + 32 * b, &d16);
+    s[b] = Fp16ToF32(d16);
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q[32 * b + j];
+    o[b] = -weight_offset * sum;
+  }
+}
+
 // ---- Dispatch ----------------------------------------------------------------------------------
 
 TileFn Pick(const TileKernels& k, DType t) {
@@ -422,6 +517,29 @@ TileFn SelectGemm(DType t) {
 #endif
 }
 
+bool HasPackedKernel(DType t) {
+#if TANDEM_KERNELS_X86
+  return (t == DType::kQ8_0 || t == DType::kQ4_0) && ActiveIsa() >= Isa::kAvx512;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+// The packed kernel of the active ISA; the scalar one when weights packed earlier meet a lower
+// ISA cap (tests).
+PackedFn SelectPacked(DType t) {
+  if (t != DType::kQ8_0 && t != DType::kQ4_0) Fail("packed weights of an unpackable type");
+#if TANDEM_KERNELS_X86
+  if (ActiveIsa() >= Isa::kAvx512) {
+    static const PackedFn q8_0 = internal::avx512::GetPackedKernel(DType::kQ8_0);
+    static const PackedFn q4_0 = internal::avx512::GetPackedKernel(DType::kQ4_0);
+    return t == DType::kQ8_0 ? q8_0 : q4_0;
+  }
+#endif
+  return t == DType::kQ8_0 ? PackedScalar<false> : PackedScalar<true>;
+}
+
 // Converted activations of one call. Lives on the calling thread and is reused between calls,
 // so steady-state decode allocates nothing.
 struct ActScratch {
@@ -487,6 +605,16 @@ DType VecDotType(DType weight_type) {
 void QuantizeActivationRow(DType vec_dot_type, const float* x, void* dst, int64_t n) {
   if (vec_dot_type == DType::kQ8_0) {
     auto* blocks = static_cast<BlockQ8_0*>(dst);
+#if TANDEM_KERNELS_X86
+    if (ActiveIsa() >= Isa::kAvx512) {
+      for (int64_t b = 0; b < n / 32; ++b) {
+        float scale;
+        internal::avx512::QuantizeQ8_0Blocks(x + 32 * b, 1, blocks[b].qs, &scale, nullptr, 0);
+        blocks[b].d = F32ToFp16(scale);  // exact: scale is an fp16 value
+      }
+      return;
+    }
+#endif
     for (int64_t b = 0; b < n / 32; ++b) QuantizeQ8_0Block(x + 32 * b, blocks[b].qs, &blocks[b].d);
     return;
   }
@@ -494,6 +622,92 @@ void QuantizeActivationRow(DType vec_dot_type, const float* x, void* dst, int64_
 }
 
 namespace {
+
+// Converts the batch's activation rows into the calling thread's scratch, `layout` bytes per
+// row (convert(b, dst, row) fills one), and returns the row views.
+template <typename ConvertFn>
+const ActRow* ConvertActivations(int64_t batch, int64_t cols, const ActLayout& layout,
+                                 util::ThreadPool* pool, ConvertFn convert_row) {
+  // Rows a power of two apart (2048 columns make 8 KiB) would all map to the same L1 sets and
+  // evict each other within one tile; one extra cache line of stride spreads them.
+  const size_t row_bytes = layout.Total() + (layout.Total() % 1024 == 0 ? 64 : 0);
+  ActScratch& scratch = Scratch();
+  if (scratch.bytes.size() < row_bytes * batch + 64) scratch.bytes.resize(row_bytes * batch + 64);
+  scratch.rows.assign(batch, ActRow{});
+  uint8_t* base = scratch.bytes.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  auto convert = [&](int64_t b0, int64_t b1, int) {
+    for (int64_t b = b0; b < b1; ++b) convert_row(b, base + b * row_bytes, &scratch.rows[b]);
+  };
+  if (pool != nullptr && batch > 1 && batch * cols >= (1 << 16)) {
+    pool->ParallelFor(batch, convert);
+  } else {
+    convert(0, batch, 0);
+  }
+  return scratch.rows.data();
+}
+
+// Shares `units` units of work out over the pool in chunks of `chunk` from a shared counter
+// rather than fixed halves: on a shared machine one thread is often descheduled, and the others
+// then finish its part instead of waiting for it.
+template <typename RunFn>
+void ShareOut(int64_t units, int64_t chunk, util::ThreadPool* pool, RunFn run) {
+  const int64_t n_chunks = (units + chunk - 1) / chunk;
+  if (pool != nullptr && pool->num_threads() > 1 && n_chunks > 1) {
+    std::atomic<int64_t> next{0};
+    pool->RunOnAll([&](int) {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
+        run(c * chunk, std::min(units, (c + 1) * chunk));
+      }
+    });
+  } else {
+    run(0, units);
+  }
+}
+
+// MatmulMulti over packed weights. Work is shared out in groups of kPackRows rows. Small
+// batches take each group once for all activation tiles (it stays in L1); big batches walk a
+// block of groups that fits L2 for each activation tile, so the activations are read from L1
+// and each group from L2.
+void RunMatmulPacked(DType weight_type, int64_t cols, const float* input, int64_t in_stride,
+                     int64_t batch, std::span<const MatmulTarget> targets,
+                     util::ThreadPool* pool) {
+  const PackGeometry geo = GeometryOf(weight_type, cols);
+  const PackedFn kernel = SelectPacked(weight_type);
+  const ActLayout layout = PackedLayout(cols);
+  const ActRow* act = ConvertActivations(
+      batch, cols, layout, pool, [&](int64_t b, uint8_t* dst, ActRow* row) {
+        ConvertActivationPacked(weight_type, input + b * in_stride, cols, dst, layout, row);
+      });
+  int64_t total_groups = 0;
+  for (const MatmulTarget& t : targets) total_groups += (t.rows + kPackRows - 1) / kPackRows;
+  const int64_t groups_per_block =
+      batch > kPackTile ? std::max<int64_t>(1, (int64_t{256} << 10) / geo.group_bytes) : 1;
+  auto run_groups = [&](int64_t g0, int64_t g1) {
+    int64_t first = 0;
+    for (const MatmulTarget& t : targets) {
+      const int64_t n_groups = (t.rows + kPackRows - 1) / kPackRows;
+      const int64_t lo = std::max(g0, first) - first;
+      const int64_t hi = std::min(g1, first + n_groups) - first;
+      first += n_groups;
+      const auto* w = static_cast<const uint8_t*>(t.weight);
+      const int64_t os = t.output_stride ? t.output_stride : t.rows;
+      for (int64_t gb = lo; gb < hi; gb += groups_per_block) {
+        const int64_t ge = std::min(hi, gb + groups_per_block);
+        for (int64_t b0 = 0; b0 < batch; b0 += kPackTile) {
+          const int nb = static_cast<int>(std::min<int64_t>(kPackTile, batch - b0));
+          for (int64_t g = gb; g < ge; ++g) {
+            const int valid = static_cast<int>(std::min<int64_t>(kPackRows, t.rows - g * kPackRows));
+            kernel(w + g * geo.group_bytes, geo.nblk, act + b0, nb,
+                   t.output + b0 * os + g * kPackRows, os, valid);
+          }
+        }
+      }
+    }
+  };
+  // A chunk is 4 groups (64 rows) for small batches, a block of groups for big ones.
+  ShareOut(total_groups, batch > kPackTile ? groups_per_block : 4, pool, run_groups);
+}
 
 // Matmul and MatmulMulti: the targets share weight type, column count and input.
 void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_stride,
@@ -507,32 +721,16 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
   const int64_t max_tile = gemm ? internal::kGemmTile : kMaxTile;
 
   const ActLayout layout = gemm ? GemmLayout(cols) : LayoutFor(vt, cols);
-  // Rows a power of two apart (2048 columns make 8 KiB) would all map to the same L1 sets and
-  // evict each other within one tile; one extra cache line of stride spreads them.
-  const size_t row_bytes = layout.Total() + (layout.Total() % 1024 == 0 ? 64 : 0);
-  ActScratch& scratch = Scratch();
-  if (scratch.bytes.size() < row_bytes * batch + 64) scratch.bytes.resize(row_bytes * batch + 64);
-  scratch.rows.resize(batch);
-  uint8_t* base = scratch.bytes.data();
-  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
-  auto convert = [&](int64_t b0, int64_t b1, int) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (gemm) {
-        ConvertActivationGemm(input + b * in_stride, cols, base + b * row_bytes, &scratch.rows[b]);
-      } else {
-        ConvertActivation(vt, input + b * in_stride, cols, base + b * row_bytes, layout,
-                          &scratch.rows[b]);
-      }
-    }
-  };
-  if (pool != nullptr && batch > 1 && batch * cols >= (1 << 16)) {
-    pool->ParallelFor(batch, convert);
-  } else {
-    convert(0, batch, 0);
-  }
+  const ActRow* act = ConvertActivations(
+      batch, cols, layout, pool, [&](int64_t b, uint8_t* dst, ActRow* row) {
+        if (gemm) {
+          ConvertActivationGemm(input + b * in_stride, cols, dst, row);
+        } else {
+          ConvertActivation(vt, input + b * in_stride, cols, dst, layout, row);
+        }
+      });
 
   const size_t w_stride = RowBytes(weight_type, cols);
-  const ActRow* act = scratch.rows.data();
   // A GEMM row block is sized to stay in L2 (about 256 KiB) while every activation tile passes
   // over it; the small-batch tiles keep kRowBlock rows, which stay in L1.
   const int64_t row_block =
@@ -558,22 +756,10 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
       }
     }
   };
-  // Threads take chunks of rows from a shared counter rather than fixed halves: on a shared
-  // machine one of them is often descheduled, and the others then finish its part instead of
-  // waiting for it. A chunk is a GEMM row block, or 64 rows (about 128 KiB of Q8_0 weights at
-  // 2048 columns) for the small-batch tiles.
-  const int64_t chunk = gemm ? row_block : 4 * kRowBlock;
-  const int64_t n_chunks = (total_rows + chunk - 1) / chunk;
-  if (pool != nullptr && pool->num_threads() > 1 && n_chunks > 1) {
-    std::atomic<int64_t> next{0};
-    pool->RunOnAll([&](int) {
-      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
-        run_rows(c * chunk, std::min(total_rows, (c + 1) * chunk), 0);
-      }
-    });
-  } else {
-    run_rows(0, total_rows, 0);
-  }
+  // A chunk is a GEMM row block, or 64 rows (about 128 KiB of Q8_0 weights at 2048 columns) for
+  // the small-batch tiles.
+  ShareOut(total_rows, gemm ? row_block : 4 * kRowBlock, pool,
+           [&](int64_t r0, int64_t r1) { run_rows(r0, r1, 0); });
 }
 
 }  // namespace
@@ -581,12 +767,21 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
 void Matmul(const MatmulParams& p, util::ThreadPool* pool) {
   CheckParams(p);
   const MatmulTarget t{p.weight, p.rows, p.output, p.output_stride};
-  RunMatmul(p.weight_type, p.cols, p.input, p.input_stride ? p.input_stride : p.cols, p.batch,
+  const int64_t in_stride = p.input_stride ? p.input_stride : p.cols;
+  if (p.packed) {
+    if (p.rows > 0 && p.batch > 0) {
+      RunMatmulPacked(p.weight_type, p.cols, p.input, in_stride, p.batch,
+                      std::span<const MatmulTarget>(&t, 1), pool);
+    }
+    return;
+  }
+  RunMatmul(p.weight_type, p.cols, p.input, in_stride, p.batch,
             std::span<const MatmulTarget>(&t, 1), pool);
 }
 
 void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t input_stride,
-                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool) {
+                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool,
+                 bool packed) {
   for (const MatmulTarget& t : targets) {
     MatmulParams p;
     p.weight_type = weight_type;
@@ -600,7 +795,74 @@ void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t in
     p.output_stride = t.output_stride;
     CheckParams(p);
   }
-  RunMatmul(weight_type, cols, input, input_stride ? input_stride : cols, batch, targets, pool);
+  const int64_t in_stride = input_stride ? input_stride : cols;
+  if (packed) {
+    if (batch > 0 && !targets.empty()) {
+      RunMatmulPacked(weight_type, cols, input, in_stride, batch, targets, pool);
+    }
+    return;
+  }
+  RunMatmul(weight_type, cols, input, in_stride, batch, targets, pool);
+}
+
+size_t PackedWeightBytes(DType weight_type, int64_t rows, int64_t cols) {
+  if (!HasPackedKernel(weight_type) || rows <= 0 || cols <= 0 || cols % 32 != 0) return 0;
+  const int64_t groups = (rows + kPackRows - 1) / kPackRows;
+  return static_cast<size_t>(groups * GeometryOf(weight_type, cols).group_bytes);
+}
+
+void GetPackedRow(DType weight_type, const void* packed, int64_t cols, int64_t r, float* out) {
+  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0) Fail("unpackable type");
+  const PackGeometry geo = GeometryOf(weight_type, cols);
+  const auto* group = static_cast<const uint8_t*>(packed) + (r / kPackRows) * geo.group_bytes;
+  const auto* scales = reinterpret_cast<const uint16_t*>(group + geo.nblk * geo.value_bytes);
+  const int m = static_cast<int>(r % kPackRows);
+  const bool q4 = weight_type == DType::kQ4_0;
+  for (int64_t i = 0; i < geo.nblk; ++i) {
+    const float d = Fp16ToF32(scales[kPackRows * i + m]);
+    const uint8_t* block = group + i * geo.value_bytes;
+    for (int j = 0; j < 32; ++j) {
+      const int v = q4 ? PackedValue<true>(block, m, j) : PackedValue<false>(block, m, j);
+      out[32 * i + j] = d * static_cast<float>(v);
+    }
+  }
+}
+
+void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols, void* dst) {
+  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0) Fail("unpackable type");
+  if (src == nullptr || dst == nullptr || rows <= 0 || cols <= 0 || cols % 32 != 0)
+    Fail("bad packing shape");
+  if (reinterpret_cast<uintptr_t>(dst) % 64 != 0) Fail("packed weights must be 64-byte aligned");
+  const PackGeometry geo = GeometryOf(weight_type, cols);
+  const size_t row_bytes = RowBytes(weight_type, cols);
+  const bool q4 = weight_type == DType::kQ4_0;
+  const int64_t groups = (rows + kPackRows - 1) / kPackRows;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint8_t* group = static_cast<uint8_t*>(dst) + g * geo.group_bytes;
+    std::memset(group, 0, geo.group_bytes);
+    auto* scales = reinterpret_cast<uint16_t*>(group + geo.nblk * geo.value_bytes);
+    for (int m = 0; m < kPackRows && g * kPackRows + m < rows; ++m) {
+      const uint8_t* row = static_cast<const uint8_t*>(src) + (g * kPackRows + m) * row_bytes;
+      // Four bytes at a time: chunk c of a block takes bytes 4c..4c+3 of each row's values.
+      for (int64_t i = 0; i < geo.nblk; ++i) {
+        uint8_t* block = group + i * geo.value_bytes + 4 * m;
+        if (q4) {
+          const auto& x = reinterpret_cast<const BlockQ4_0*>(row)[i];
+          scales[kPackRows * i + m] = x.d;
+          for (int c = 0; c < 4; ++c) std::memcpy(block + 64 * c, x.qs + 4 * c, 4);
+        } else {
+          const auto& x = reinterpret_cast<const BlockQ8_0*>(row)[i];
+          scales[kPackRows * i + m] = x.d;
+          for (int c = 0; c < 8; ++c) {
+            uint32_t v;
+            std::memcpy(&v, x.qs + 4 * c, 4);
+            v ^= 0x80808080u;  // int8 + 128 as uint8, in each byte
+            std::memcpy(block + 64 * c, &v, 4);
+          }
+        }
+      }
+    }
+  }
 }
 
 void MatmulReference(const MatmulParams& p) {

@@ -5,6 +5,9 @@
 #define TANDEM_TILES_VNNI 1
 #include "matmul_x86_tiles.h"
 
+#include <array>
+#include <utility>
+
 namespace tandem::kernels::internal {
 namespace {
 
@@ -424,6 +427,82 @@ void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRo
   }
 }
 
+// ---- Packed weights (internal.h): 16 rows per register, no horizontal sums ---------------------
+//
+// Per block and activation row: eight VPDPBUSD of a weight register (4 values of each of the 16
+// rows, unsigned with the type's offset) against 4 broadcast activations, started from the
+// activation's offset term so the integer sums come out exact; then one convert and one fused
+// multiply-add by the 16 row scales times the activation scale. The eight weight registers are
+// loaded (Q4_0: split from four) once per block for all activation rows. Same bits as
+// PackedScalar: the integer sums are exact and the float steps are the same, in the same order.
+template <bool kQ4, int NB>
+void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float* out, int64_t os,
+                   int valid_rows) {
+  constexpr int64_t kValueBytes = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
+  const uint8_t* scales = group + nblk * kValueBytes;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[NB];
+  for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nblk; ++i) {
+    const uint8_t* v = group + i * kValueBytes;
+    __m512i w[8];
+    if constexpr (kQ4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i x = _mm512_load_si512(v + 64 * c);
+        w[c] = _mm512_and_si512(x, m4);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_load_si512(v + 64 * c);
+    }
+    // The dot products of all activation rows advance together, chunk by chunk, so NB
+    // independent VPDPBUSD chains are in flight (one row's eight in a row would wait on each
+    // other's latency); below four rows each row's chain is split in two.
+    constexpr int kChains = NB >= 4 ? 1 : 2;
+    __m512i sum[kChains][NB];
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) {
+      sum[0][b] = _mm512_set1_epi32(act[b].offsets[i]);
+      if constexpr (kChains == 2) sum[1][b] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 16
+      for (int b = 0; b < NB; ++b) {
+        // Broadcast straight from memory (through a GPR it costs two more uops).
+        const __m512i a4 = _mm512_broadcastd_epi32(_mm_loadu_si32(I8(act[b]) + 32 * i + 4 * c));
+        sum[c % kChains][b] = _mm512_dpbusd_epi32(sum[c % kChains][b], w[c], a4);
+      }
+    }
+    const __m512 dw =
+        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales + 32 * i)));
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) {
+      __m512i total = sum[0][b];
+      if constexpr (kChains == 2) total = _mm512_add_epi32(total, sum[1][b]);
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(act[b].scales[i])), acc[b]);
+    }
+  }
+  const __mmask16 keep =
+      valid_rows >= kPackRows ? __mmask16(0xffff) : __mmask16((1u << valid_rows) - 1);
+  for (int b = 0; b < NB; ++b) _mm512_mask_storeu_ps(out + b * os, keep, acc[b]);
+}
+
+template <bool kQ4, size_t... kNb>
+constexpr auto PackedTable(std::index_sequence<kNb...>) {
+  using Fn = void (*)(const uint8_t*, int64_t, const ActRow*, float*, int64_t, int);
+  return std::array<Fn, sizeof...(kNb)>{PackedTile512<kQ4, static_cast<int>(kNb) + 1>...};
+}
+
+// NB = 1..kPackTile chosen at run time.
+template <bool kQ4>
+void PackedDispatch512(const uint8_t* group, int64_t nblk, const ActRow* act, int nb, float* out,
+                       int64_t os, int valid_rows) {
+  static constexpr auto kTable = PackedTable<kQ4>(std::make_index_sequence<kPackTile>());
+  kTable[nb - 1](group, nblk, act, out, os, valid_rows);
+}
+
 TANDEM_TILE_DISPATCH(TileQ8_0x512, TileBlock32x512Impl, Decode2Q8_0)
 TANDEM_TILE_DISPATCH(TileQ4_0x512, TileBlock32x512Impl, Decode2Q4_0)
 TANDEM_TILE_DISPATCH(TileMxfp4x512, TileBlock32x512Impl, Decode2Mxfp4)
@@ -459,6 +538,42 @@ TileFn GetGemmKernel(DType weight_type) {
       return GemmBlock32Dispatch<Decode2Q4_0>;
     case DType::kMXFP4:
       return GemmBlock32Dispatch<Decode2Mxfp4>;
+    default:
+      return nullptr;
+  }
+}
+
+void QuantizeQ8_0Blocks(const float* x, int64_t nblk, int8_t* q, float* scales, int32_t* sums,
+                        int32_t weight_offset) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < nblk; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(x0, sign_off), _mm512_and_ps(x1, sign_off)));
+    const uint16_t d16 = _cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+    scales[b] = _cvtsh_ss(d16);
+    const __m512 id = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    // Round to nearest, ties to even (the default rounding mode), then saturate to int8.
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
+    const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtsepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtsepi32_epi8(v1));
+    if (sums != nullptr) {
+      const __m512i lo = _mm512_max_epi32(_mm512_min_epi32(v0, _mm512_set1_epi32(127)),
+                                          _mm512_set1_epi32(-128));
+      const __m512i hi = _mm512_max_epi32(_mm512_min_epi32(v1, _mm512_set1_epi32(127)),
+                                          _mm512_set1_epi32(-128));
+      sums[b] = -weight_offset * _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+    }
+  }
+}
+
+PackedFn GetPackedKernel(DType weight_type) {
+  switch (weight_type) {
+    case DType::kQ8_0:
+      return PackedDispatch512<false>;
+    case DType::kQ4_0:
+      return PackedDispatch512<true>;
     default:
       return nullptr;
   }

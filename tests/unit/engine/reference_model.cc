@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "tandem/kernels/matmul.h"
 #include "tandem/kernels/quant.h"
 
 namespace tandem::testing {
@@ -11,8 +12,13 @@ using Vec = std::vector<double>;
 
 Vec Row(const engine::WeightView& w, int64_t r) {
   std::vector<float> f(w.cols);
-  const size_t rb = kernels::RowBytes(w.type, w.cols);
-  kernels::DequantizeRow(w.type, static_cast<const uint8_t*>(w.data) + r * rb, f.data(), w.cols);
+  if (w.packed) {
+    kernels::GetPackedRow(w.type, w.data, w.cols, r, f.data());
+  } else {
+    const size_t rb = kernels::RowBytes(w.type, w.cols);
+    kernels::DequantizeRow(w.type, static_cast<const uint8_t*>(w.data) + r * rb, f.data(),
+                           w.cols);
+  }
   return Vec(f.begin(), f.end());
 }
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -81,7 +82,9 @@ struct Shape {
   int64_t rows, cols, batch;
 };
 
-void CheckMatmul(const Weights& w, int64_t batch, util::ThreadPool* pool, const std::string& what) {
+// `packed`: the weights in PackWeights' layout, used instead of w.bytes (null: row-major).
+void CheckMatmul(const Weights& w, int64_t batch, util::ThreadPool* pool, const std::string& what,
+                 const uint8_t* packed = nullptr) {
   const int64_t in_stride = w.cols + 3, out_stride = w.rows + 2;
   auto x = RandomBlockScaled(batch * in_stride, static_cast<uint32_t>(w.rows * 31 + batch));
   std::vector<float> out(batch * out_stride), ref(batch * out_stride);
@@ -97,7 +100,13 @@ void CheckMatmul(const Weights& w, int64_t batch, util::ThreadPool* pool, const 
   p.batch = batch;
   p.output = out.data();
   p.output_stride = out_stride;
+  if (packed != nullptr) {
+    p.weight = packed;
+    p.packed = true;
+  }
   Matmul(p, pool);
+  p.weight = w.bytes.data();
+  p.packed = false;
   p.output = ref.data();
   MatmulReference(p);
 
@@ -268,6 +277,149 @@ INSTANTIATE_TEST_SUITE_P(AllWeightTypes, MatmulTest, ::testing::ValuesIn(kWeight
                            return std::string(Traits(info.param).name);
                          });
 
+// ---- Packed weights -------------------------------------------------------------------------
+
+struct AlignedBytes {
+  explicit AlignedBytes(size_t n) : storage(n + 64) {
+    data = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+  }
+  std::vector<uint8_t> storage;
+  uint8_t* data;
+};
+
+// Packs w at the detected ISA; null when this CPU has no packed kernel for the type.
+std::unique_ptr<AlignedBytes> Pack(const Weights& w) {
+  ScopedIsaCap cap(DetectedIsa());
+  const size_t n = PackedWeightBytes(w.type, w.rows, w.cols);
+  if (n == 0) return nullptr;
+  auto out = std::make_unique<AlignedBytes>(n);
+  std::memset(out->data, 0xA5, n);
+  PackWeights(w.type, w.bytes.data(), w.rows, w.cols, out->data);
+  return out;
+}
+
+class PackedMatmulTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(PackedMatmulTest, MatchesReferenceOnEveryShapeIsaAndThreadCount) {
+  const DType t = GetParam();
+  // Rows that leave a partial last group of 16, 1 to 17 blocks, every batch tile width.
+  const Shape shapes[] = {{37, 256, 1}, {16, 32, 3}, {70, 544, 8}, {5, 96, 9}, {33, 224, 23}};
+  util::ThreadPool pool(2);
+  for (const Shape& s : shapes) {
+    const Weights w = MakeWeights(t, s.rows, s.cols, static_cast<uint32_t>(7 * s.rows + s.cols));
+    const auto packed = Pack(w);
+    if (packed == nullptr) GTEST_SKIP() << "no packed kernel on this CPU";
+    for (Isa isa : AvailableIsas()) {
+      ScopedIsaCap cap(isa);
+      for (util::ThreadPool* tp : {static_cast<util::ThreadPool*>(nullptr), &pool}) {
+        CheckMatmul(w, s.batch, tp,
+                    std::string("packed ") + std::string(Traits(t).name) + " " + IsaName(isa) +
+                        " " + std::to_string(s.rows) + "x" + std::to_string(s.cols) + " batch " +
+                        std::to_string(s.batch) + (tp ? " pool" : " inline"),
+                    packed->data);
+      }
+    }
+  }
+}
+
+TEST_P(PackedMatmulTest, GetPackedRowEqualsGetRow) {
+  const DType t = GetParam();
+  const Weights w = MakeWeights(t, 21, 96, 71);
+  const auto packed = Pack(w);
+  if (packed == nullptr) GTEST_SKIP() << "no packed kernel on this CPU";
+  for (int64_t r = 0; r < w.rows; ++r) {
+    std::vector<float> got(w.cols), want(w.cols);
+    Poison(got);
+    GetPackedRow(t, packed->data, w.cols, r, got.data());
+    GetRow(t, w.bytes.data(), w.cols, r, want.data());
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * 4)) << "row " << r;
+  }
+}
+
+TEST_P(PackedMatmulTest, SimdScalarThreadsAndFusionGiveTheSameBits) {
+  // The SIMD kernel's float steps are the scalar definition's, in the same order, so every ISA,
+  // batch tile, row split and fused call gives identical bits.
+  const DType t = GetParam();
+  const int64_t cols = 320;
+  const int64_t heights[] = {48, 9, 23};
+  std::vector<Weights> ws;
+  std::vector<std::unique_ptr<AlignedBytes>> packed;
+  for (int i = 0; i < 3; ++i) {
+    ws.push_back(MakeWeights(t, heights[i], cols, 41 + i));
+    packed.push_back(Pack(ws.back()));
+    if (packed.back() == nullptr) GTEST_SKIP() << "no packed kernel on this CPU";
+  }
+  util::ThreadPool pool(2);
+  for (int64_t batch : {1, 3, 9, 20}) {
+    const auto x = RandomBlockScaled(batch * cols, 51 + static_cast<uint32_t>(batch));
+    std::vector<std::vector<float>> first(3);
+    for (Isa isa : AvailableIsas()) {
+      ScopedIsaCap cap(isa);
+      std::vector<MatmulTarget> targets;
+      std::vector<std::vector<float>> fused(3);
+      for (int i = 0; i < 3; ++i) {
+        fused[i].resize(batch * heights[i]);
+        Poison(fused[i]);
+        targets.push_back({packed[i]->data, heights[i], fused[i].data(), 0});
+        std::vector<float> single(batch * heights[i]), by_row(batch * heights[i]);
+        Poison(single);
+        MatmulParams p;
+        p.weight_type = t;
+        p.weight = packed[i]->data;
+        p.packed = true;
+        p.rows = heights[i];
+        p.cols = cols;
+        p.input = x.data();
+        p.batch = batch;
+        p.output = single.data();
+        Matmul(p, nullptr);
+        for (int64_t b = 0; b < batch; ++b) {  // one activation row per call: tile width 1
+          p.input = &x[b * cols];
+          p.batch = 1;
+          p.output = &by_row[b * heights[i]];
+          Matmul(p, &pool);
+        }
+        ASSERT_EQ(0, std::memcmp(single.data(), by_row.data(), single.size() * 4))
+            << IsaName(isa) << " batch " << batch << " target " << i;
+        if (first[i].empty()) {
+          first[i] = single;
+        } else {
+          ASSERT_EQ(0, std::memcmp(single.data(), first[i].data(), single.size() * 4))
+              << IsaName(isa) << " differs from the scalar kernel, batch " << batch;
+        }
+      }
+      MatmulMulti(t, cols, x.data(), 0, batch, targets, &pool, /*packed=*/true);
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_EQ(0, std::memcmp(fused[i].data(), first[i].data(), fused[i].size() * 4))
+            << IsaName(isa) << " fused, batch " << batch << " target " << i;
+      }
+    }
+  }
+}
+
+TEST(PackedMatmulSupportTest, OnlyQ8_0AndQ4_0OnAvx512Pack) {
+  for (DType t : kWeightTypes) {
+    ScopedIsaCap cap(DetectedIsa());
+    const bool expect = (t == DType::kQ8_0 || t == DType::kQ4_0) && DetectedIsa() >= Isa::kAvx512;
+    EXPECT_EQ(PackedWeightBytes(t, 40, 256) > 0, expect) << Traits(t).name;
+  }
+  ScopedIsaCap cap(Isa::kAvx2);
+  EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 256), 0u) << "no packed kernel below AVX-512";
+  if (DetectedIsa() >= Isa::kAvx512) {
+    ScopedIsaCap full(DetectedIsa());
+    // Three groups of 16 rows, each the 16 rows' bytes rounded up to 64: 3 blocks of Q8_0 are
+    // 3 * 34 * 16 = 1632 -> 1664 bytes, of Q4_0 3 * 18 * 16 = 864 -> 896.
+    EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 96), 3u * 1664);
+    EXPECT_EQ(PackedWeightBytes(DType::kQ4_0, 40, 96), 3u * 896);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PackableTypes, PackedMatmulTest,
+                         ::testing::Values(DType::kQ8_0, DType::kQ4_0),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(Traits(info.param).name);
+                         });
+
 TEST(MatmulMxfp4Test, SubnormalSharedExponentsMatchScalarPath) {
   // E8M0 exponents 0 and 1 give subnormal scales (2^-128, 2^-127), decoded by a separate branch
   // in the SIMD kernels. Rows: all e=0, all e=1, all e=2, then a mix with ordinary exponents.
@@ -316,6 +468,28 @@ TEST(MatmulVecDotTest, ActivationTypesFollowLlamaCpp) {
   EXPECT_EQ(VecDotType(DType::kF16), DType::kF16);
   EXPECT_EQ(VecDotType(DType::kBF16), DType::kBF16);
   EXPECT_EQ(VecDotType(DType::kF32), DType::kF32);
+}
+
+TEST(MatmulVecDotTest, Q8_0ActivationsAreTheSameBitsOnEveryIsa) {
+  // Random blocks of very different magnitudes, plus blocks whose products land exactly on
+  // ties (amax 127 makes the multiplier 1): the SIMD quantiser must round as the scalar one.
+  auto x = RandomBlockScaled(32 * 64, 61);
+  for (int j = 0; j < 32; ++j) x[j] = j == 0 ? 127.0f : (j % 2 ? 0.5f : -2.5f) + (j / 4);
+  std::vector<uint8_t> first;
+  for (Isa isa : AvailableIsas()) {
+    ScopedIsaCap cap(isa);
+    std::vector<uint8_t> q(34 * 64);
+    std::memset(q.data(), 0xA5, q.size());
+    QuantizeActivationRow(DType::kQ8_0, x.data(), q.data(), 32 * 64);
+    if (first.empty()) {
+      first = q;
+    } else {
+      ASSERT_EQ(0, std::memcmp(first.data(), q.data(), q.size())) << IsaName(isa);
+    }
+  }
+  EXPECT_EQ(static_cast<int8_t>(first[2 + 2]), -2) << "-2.5 rounds to even";
+  EXPECT_EQ(static_cast<int8_t>(first[2 + 3]), 0) << "0.5 rounds to even";
+  EXPECT_EQ(static_cast<int8_t>(first[2 + 7]), 2) << "1.5 rounds to even";
 }
 
 TEST(MatmulVecDotTest, Q8_0ActivationsRoundLikeLlamaCppCpuBackend) {

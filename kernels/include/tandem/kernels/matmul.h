@@ -35,6 +35,7 @@ struct MatmulParams {
   int64_t batch = 1;
   float* output = nullptr;
   int64_t output_stride = 0;  // floats between consecutive output rows (0: rows)
+  bool packed = false;        // weight is PackWeights' layout, not row-major GGUF rows
 };
 
 void Matmul(const MatmulParams& p, util::ThreadPool* pool);
@@ -51,8 +52,23 @@ struct MatmulTarget {
 // Several matrices of one type and column count applied to the same input, as the fused
 // Q/K/V and gate/up projections: the activations are converted once and the rows of all
 // targets are split over the pool in one hand-off. Each output equals Matmul's bit for bit.
+// `packed`: every target's weight is in PackWeights' layout.
 void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t input_stride,
-                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool);
+                 int64_t batch, std::span<const MatmulTarget> targets, util::ThreadPool* pool,
+                 bool packed = false);
+
+// Weights rearranged once, at model load, for this CPU's fastest Matmul kernel: rows in groups
+// of 16 with their blocks interleaved (the layout is private to the kernels), the same bytes per
+// row plus padding of the last group. Today Q8_0 and Q4_0 on AVX-512 VNNI CPUs; elsewhere
+// PackedWeightBytes is 0 and the GGUF rows are used as they are. A Matmul over packed weights
+// computes each output as sum over blocks of (weight scale * activation scale) * integer dot,
+// accumulated in block order: the scalar numerics of the row-major kernels.
+// PackedWeightBytes: the size of the packed copy of a rows x cols matrix, or 0 when this CPU
+// has no packed kernel for the type. PackWeights writes it to dst (64-byte aligned).
+size_t PackedWeightBytes(DType weight_type, int64_t rows, int64_t cols);
+void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols, void* dst);
+// Row r of packed weights dequantised to floats (equal to GetRow on the unpacked matrix).
+void GetPackedRow(DType weight_type, const void* packed, int64_t cols, int64_t r, float* out);
 void MatmulReference(const MatmulParams& p);
 
 // Dot product of one weight row (n elements of type t) with a float vector, in the same
