@@ -11,7 +11,9 @@
 #        LLAMA_BIN (~/.cache/tandem/llama.cpp/build/bin), KV_TYPE (f16, llama.cpp's default),
 #        PORT (18080, llama-server; one more port per extra variant), OUT (results folder;
 #        default a fresh mktemp folder, kept), LLAMA_VARIANTS ("default omp-passive": llama.cpp
-#        as it runs out of the box, and with OMP_WAIT_POLICY=passive)
+#        as it runs out of the box, and with OMP_WAIT_POLICY=passive), PRIO (a command prefix for
+#        every measured process of both sides, e.g. "chrt -f 50": real-time priority keeps other
+#        work on a shared machine from taking their cores; empty by default)
 #
 # Cases (tandem vs llama.cpp):
 #   decode   engine_bench --modes decode -n N_GEN       vs llama-bench -p 0 -n N_GEN
@@ -47,6 +49,7 @@ LLAMA_BIN=${LLAMA_BIN:-$HOME/.cache/tandem/llama.cpp/build/bin}
 KV_TYPE=${KV_TYPE:-f16}
 PORT=${PORT:-18080}
 LLAMA_VARIANTS=${LLAMA_VARIANTS:-"default omp-passive"}
+read -r -a PRIO_CMD <<<"${PRIO:-}"  # empty array when unset
 OUT=${OUT:-$(mktemp -d /tmp/engine-bench.XXXXXX)}
 mkdir -p "$OUT"
 RAW="$OUT/raw.jsonl"
@@ -85,7 +88,7 @@ emit() {  # model case engine pair tokens_per_s [extra json fields]
 run_membw() {  # model (the bandwidth measured next to it)
   for t in "$THREADS" 1; do
     local j
-    j=$("$BUILD/bin/membw" --threads "$t" --mib 1024 --passes 8)
+    j=$("${PRIO_CMD[@]}" "$BUILD/bin/membw" --threads "$t" --mib 1024 --passes 8)
     echo "{\"model\":\"$1\",\"case\":\"membw\",\"threads\":$t,\"gb_per_s\":$(python3 -c \
       'import json,sys; print(json.dumps(json.loads(sys.argv[1])["gb_per_s"]))' "$j")}" >>"$RAW"
   done
@@ -94,11 +97,11 @@ run_membw() {  # model (the bandwidth measured next to it)
 tandem_case() {  # model case pair
   local f="$MODEL_DIR/$1.gguf" j
   case $2 in
-    decode)  j=$("$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
+    decode)  j=$("${PRIO_CMD[@]}" "$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
                  --modes decode -n "$N_GEN") || j= ;;
-    prefill) j=$("$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
+    prefill) j=$("${PRIO_CMD[@]}" "$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
                  --modes prefill -p "$N_PROMPT") || j= ;;
-    batch)   j=$("$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
+    batch)   j=$("${PRIO_CMD[@]}" "$BUILD/bin/engine_bench" --model "$f" -t "$THREADS" --kv-type "$KV_TYPE" -r 1 \
                  --modes batch --n-seqs "$N_SEQS" --seq-prompt "$SEQ_PROMPT" -n "$N_GEN") || j= ;;
   esac
   [ -n "$j" ] || { log "tandem $2 run failed; no sample"; return 0; }
@@ -124,9 +127,9 @@ llama_case() {  # model case pair variant-index
   local variant
   variant=$(echo $LLAMA_VARIANTS | cut -d' ' -f$(($4 + 1)))
   case $2 in
-    decode)  j=$(env "$(llama_env "$variant")" "$LLAMA_BIN/llama-bench" -m "$f" -t "$THREADS" \
+    decode)  j=$("${PRIO_CMD[@]}" env "$(llama_env "$variant")" "$LLAMA_BIN/llama-bench" -m "$f" -t "$THREADS" \
                  -p 0 -n "$N_GEN" -r 1 -o json 2>/dev/null) || j= ;;
-    prefill) j=$(env "$(llama_env "$variant")" "$LLAMA_BIN/llama-bench" -m "$f" -t "$THREADS" \
+    prefill) j=$("${PRIO_CMD[@]}" env "$(llama_env "$variant")" "$LLAMA_BIN/llama-bench" -m "$f" -t "$THREADS" \
                  -p "$N_PROMPT" -n 0 -r 1 -o json 2>/dev/null) || j= ;;
     batch)   j=$(python3 "$HERE/server_client.py" --url "http://127.0.0.1:$((PORT + $4))" \
                  --n "$N_SEQS" --prompt-len "$SEQ_PROMPT" --n-predict "$N_GEN" --seed "$3") ||
@@ -150,7 +153,7 @@ trap stop_servers EXIT
 start_servers() {  # model: one llama-server per variant, on PORT, PORT+1, ...
   local slot_ctx=$(( (SEQ_PROMPT + N_GEN + 64 + 255) / 256 * 256 )) k=0 variant
   for variant in $LLAMA_VARIANTS; do
-    env "$(llama_env "$variant")" "$LLAMA_BIN/llama-server" -m "$MODEL_DIR/$1.gguf" \
+    "${PRIO_CMD[@]}" env "$(llama_env "$variant")" "$LLAMA_BIN/llama-server" -m "$MODEL_DIR/$1.gguf" \
         -t "$THREADS" -tb "$THREADS" -np "$N_SEQS" -c $((N_SEQS * slot_ctx)) --cont-batching \
         --no-webui --cache-ram 0 --host 127.0.0.1 --port $((PORT + k)) \
         >"$OUT/llama-server-$1-$variant.log" 2>&1 &

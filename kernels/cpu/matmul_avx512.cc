@@ -435,6 +435,11 @@ void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRo
 // multiply-add by the 16 row scales times the activation scale. The eight weight registers are
 // loaded (Q4_0: split from four) once per block for all activation rows. Same bits as
 // PackedScalar: the integer sums are exact and the float steps are the same, in the same order.
+#ifndef TANDEM_PACK_PREFETCH
+#define TANDEM_PACK_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetchBytes = TANDEM_PACK_PREFETCH;
+
 template <bool kQ4, int NB>
 void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float* out, int64_t os,
                    int valid_rows) {
@@ -445,6 +450,12 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
   for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nblk; ++i) {
     const uint8_t* v = group + i * kValueBytes;
+    if constexpr (NB <= 2) {
+      // Decode streams the weights once: ask for the lines a few blocks ahead.
+      for (int c = 0; c < kValueBytes; c += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + c), _MM_HINT_T0);
+      }
+    }
     __m512i w[8];
     if constexpr (kQ4) {
       for (int c = 0; c < 4; ++c) {
