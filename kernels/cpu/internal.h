@@ -109,6 +109,9 @@ inline constexpr int kMaxTile = 4;  // activation rows one tile call handles
 // block). ActRow::values points at group 0; scales and bsums are unused. A missing second block
 // (odd block count) has zero scales. Tiles take up to kGemmTile rows.
 inline constexpr int kGemmTile = 8;
+// Float weights (F32, F16) have GEMM tiles too, over the ordinary float activation rows, taking
+// up to kFloatGemmTile rows.
+inline constexpr int kFloatGemmTile = 6;
 
 // Computes out[b * out_stride + r] = dot(weight row r, act[b]) for r < nrows, b < nb.
 // w points at row 0 of the tile; rows are w_stride bytes apart.

@@ -148,7 +148,7 @@ void ConvertActivation(DType vt, const float* x, int64_t n, uint8_t* dst, const 
   row->bsums = l.bsums ? reinterpret_cast<const int16_t*>(dst + l.values + l.scales) : nullptr;
   switch (vt) {
     case DType::kF32:
-      std::memcpy(dst, x, n * sizeof(float));
+      row->values = x;  // already in the vec-dot format: read in place
       return;
     case DType::kF16: {
       // Round through fp16 but keep floats: the products are then those of ggml's fp16 dot.
@@ -501,7 +501,13 @@ TileFn SelectGemm(DType t) {
   static const TileFn q8_0 = internal::avx512::GetGemmKernel(DType::kQ8_0);
   static const TileFn q4_0 = internal::avx512::GetGemmKernel(DType::kQ4_0);
   static const TileFn mxfp4 = internal::avx512::GetGemmKernel(DType::kMXFP4);
+  static const TileFn f32 = internal::avx512::GetGemmKernel(DType::kF32);
+  static const TileFn f16 = internal::avx512::GetGemmKernel(DType::kF16);
   switch (t) {
+    case DType::kF32:
+      return f32;
+    case DType::kF16:
+      return f16;
     case DType::kQ8_0:
       return q8_0;
     case DType::kQ4_0:
@@ -718,12 +724,17 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
   const DType vt = VecDotType(weight_type);
   const TileFn gemm = batch >= kGemmMinBatch ? SelectGemm(weight_type) : nullptr;
   const TileFn tile = gemm ? gemm : SelectTile(weight_type);
-  const int64_t max_tile = gemm ? internal::kGemmTile : kMaxTile;
+  // The quantised GEMM tiles read internal::kGemmTile's activation layout; the float ones the
+  // ordinary float rows.
+  const bool float_gemm = gemm && (weight_type == DType::kF32 || weight_type == DType::kF16);
+  const bool block_gemm = gemm && !float_gemm;
+  const int64_t max_tile =
+      float_gemm ? internal::kFloatGemmTile : (gemm ? internal::kGemmTile : kMaxTile);
 
-  const ActLayout layout = gemm ? GemmLayout(cols) : LayoutFor(vt, cols);
+  const ActLayout layout = block_gemm ? GemmLayout(cols) : LayoutFor(vt, cols);
   const ActRow* act = ConvertActivations(
       batch, cols, layout, pool, [&](int64_t b, uint8_t* dst, ActRow* row) {
-        if (gemm) {
+        if (block_gemm) {
           ConvertActivationGemm(input + b * in_stride, cols, dst, row);
         } else {
           ConvertActivation(vt, input + b * in_stride, cols, dst, layout, row);
@@ -734,7 +745,8 @@ void RunMatmul(DType weight_type, int64_t cols, const float* input, int64_t in_s
   // A GEMM row block is sized to stay in L2 (about 256 KiB) while every activation tile passes
   // over it; the small-batch tiles keep kRowBlock rows, which stay in L1.
   const int64_t row_block =
-      gemm ? std::clamp<int64_t>((int64_t{256} << 10) / static_cast<int64_t>(w_stride), 16, 1024)
+      gemm ? std::clamp<int64_t>((int64_t{256} << 10) / static_cast<int64_t>(w_stride), 16, 1024) /
+                 16 * 16
            : kRowBlock;
   // Rows [r0, r1) of the targets laid end to end.
   auto run_rows = [&](int64_t r0, int64_t r1, int) {

@@ -110,6 +110,68 @@ __attribute__((target("avx512bf16"))) void TileBf16Dp(const uint8_t* w, size_t w
   }
 }
 
+// ---- Float GEMM tiles for big batches: four weight rows at once -------------------------------
+
+// The four sums of four registers, as one 128-bit vector [sum(a0), sum(a1), sum(a2), sum(a3)].
+inline __m128 Reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto half = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  };
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)),
+                                  _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Four weight rows against NB float activation rows: each activation load serves four rows and
+// each weight load NB activations (4 + NB loads per 4 * NB fused multiply-adds, against 1 + NB
+// in the one-row tile), and the four rows' sums come out of one transposing reduction. Rows
+// past a multiple of four take the one-row tile.
+template <int NB, typename WT, __m512 (*LW)(const WT*), __m512 (*LWM)(const WT*, __mmask16)>
+void GemmFloat4(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int64_t cols,
+                float* out, int64_t os) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4) {
+    const WT* x[4];
+    for (int m = 0; m < 4; ++m) x[m] = reinterpret_cast<const WT*>(w + (r + m) * ws);
+    __m512 acc[4][NB];
+    for (int m = 0; m < 4; ++m)
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < cols; i += 16) {
+      const int64_t left = cols - i;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      __m512 wv[4];
+      for (int m = 0; m < 4; ++m) wv[m] = left >= 16 ? LW(x[m] + i) : LWM(x[m] + i, mask);
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        const float* a = static_cast<const float*>(act[b].values) + i;
+        const __m512 av = left >= 16 ? _mm512_loadu_ps(a) : _mm512_maskz_loadu_ps(mask, a);
+        for (int m = 0; m < 4; ++m) acc[m][b] = _mm512_fmadd_ps(wv[m], av, acc[m][b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      _mm_storeu_ps(out + b * os + r, Reduce4(acc[0][b], acc[1][b], acc[2][b], acc[3][b]));
+    }
+  }
+  if (r < nrows) {
+    TileFloat512<NB, WT, float, LW, Load512F32, LWM, Load512F32Masked>(w + r * ws, ws, nrows - r,
+                                                                       act, cols, out + r, os);
+  }
+}
+
+template <typename WT, __m512 (*LW)(const WT*), __m512 (*LWM)(const WT*, __mmask16)>
+void GemmFloatDispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRow* act, int nb,
+                       int64_t cols, float* out, int64_t os) {
+  static_assert(kFloatGemmTile == 6, "the switch below spells out NB = 1..6");
+  switch (nb) {
+    case 1: return GemmFloat4<1, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+    case 2: return GemmFloat4<2, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+    case 3: return GemmFloat4<3, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+    case 4: return GemmFloat4<4, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+    case 5: return GemmFloat4<5, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+    default: return GemmFloat4<6, WT, LW, LWM>(w, ws, nrows, act, cols, out, os);
+  }
+}
+
 // ---- 32-element blocks, two per 512-bit register ---------------------------------------------
 
 // The fp16 scales of four consecutive blocks as floats.
@@ -549,6 +611,10 @@ TileFn GetGemmKernel(DType weight_type) {
       return GemmBlock32Dispatch<Decode2Q4_0>;
     case DType::kMXFP4:
       return GemmBlock32Dispatch<Decode2Mxfp4>;
+    case DType::kF32:
+      return GemmFloatDispatch<float, Load512F32, Load512F32Masked>;
+    case DType::kF16:
+      return GemmFloatDispatch<uint16_t, Load512F16, Load512F16Masked>;
     default:
       return nullptr;
   }

@@ -160,7 +160,12 @@ TEST_P(MatmulTest, MatchesReferenceOnEveryIsaShapeAndThreadCount) {
     shapes.push_back({40, 64, 9});
     shapes.push_back({23, 224, 23});
   }
-  if (Traits(t).block_elems == 1) shapes.push_back({21, 203, 2});
+  if (Traits(t).block_elems == 1) {
+    shapes.push_back({21, 203, 2});
+    // F32/F16 GEMM tiles (batch >= 8 on AVX-512): four-row groups, a one-row tail, a masked
+    // column tail and every activation tile width.
+    shapes.push_back({21, 203, 13});
+  }
   util::ThreadPool pool(2);
   for (const Shape& s : shapes) {
     const Weights w = MakeWeights(t, s.rows, s.cols, static_cast<uint32_t>(s.rows + s.cols));
