@@ -4,7 +4,7 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 
-.PHONY: all setup configure build test demo fidelity clean
+.PHONY: all setup configure build test demo fidelity fuzz-smoke clean
 
 all: build
 
@@ -28,6 +28,10 @@ demo: build
 
 fidelity: build
 	@scripts/fidelity.sh $(BUILD)
+
+# libFuzzer targets built with clang in build-fuzz/, ~20 s each (docs/fuzzing.md).
+fuzz-smoke:
+	@scripts/fuzz_smoke.sh 20
 
 clean:
 	rm -rf $(BUILD)

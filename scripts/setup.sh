@@ -7,7 +7,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 pkgs=(cmake ninja-build ccache g++ pkg-config git
       libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
       libxxhash-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-      libucx-dev ucx-utils prometheus-cpp-dev liburing-dev libcpp-httplib-dev libspdlog-dev)
+      libucx-dev ucx-utils prometheus-cpp-dev liburing-dev libcpp-httplib-dev libspdlog-dev
+      gnuplot-nox)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -37,3 +38,5 @@ fi
 "$here/scripts/fetch_vocab.sh"
 # The official openai npm client, which the HTTP front door's integration test drives.
 "$here/scripts/fetch_openai_client.sh"
+# helm and the Kubernetes schema validators the chart tests (tests/k8s) use.
+"$here/scripts/fetch_helm.sh"

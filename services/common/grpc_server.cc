@@ -14,6 +14,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "services/common/grpc_status.h"
+#include "services/common/tls.h"
 
 namespace tandem::services {
 
@@ -79,7 +80,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   grpc::ServerBuilder builder;
   int bound = 0;
   const std::string want = JoinHostPort(o.host, o.port);
-  builder.AddListeningPort(want, grpc::InsecureServerCredentials(), &bound);
+  builder.AddListeningPort(
+      want, o.credentials != nullptr ? o.credentials : ProcessServerCredentials(), &bound);
   builder.SetMaxReceiveMessageSize(o.max_message_bytes);
   builder.SetMaxSendMessageSize(o.max_message_bytes);
   for (grpc::Service* s : o.services) builder.RegisterService(s);

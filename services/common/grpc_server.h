@@ -21,6 +21,7 @@
 
 namespace grpc {
 class Service;
+class ServerCredentials;
 }
 
 namespace tandem::services {
@@ -34,6 +35,8 @@ struct GrpcServerOptions {
   int port = 0;                    // 0: the kernel picks a free port; port() says which
   std::vector<grpc::Service*> services;
   int max_message_bytes = 64 << 20;
+  // Null: the process's (tls.h SetProcessTls), which are plaintext unless --tls-cert was given.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 class GrpcServer {

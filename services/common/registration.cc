@@ -6,6 +6,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "services/common/grpc_status.h"
+#include "services/common/tls.h"
 
 namespace tandem::services {
 namespace {
@@ -20,7 +21,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const RegistrationOptions& o) {
               static_cast<int>(absl::ToInt64Milliseconds(o.retry_min)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(absl::ToInt64Milliseconds(o.retry_max)));
-  return grpc::CreateCustomChannel(o.registry_address, grpc::InsecureChannelCredentials(), args);
+  return CreateClientChannel(o.registry_address, args);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "services/common/worker_main.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 
@@ -11,6 +12,13 @@
 #include "services/common/transport_factory.h"
 
 namespace tandem::services {
+namespace {
+
+// How long a draining worker still accepts calls after deregistering: covers a call the router
+// chose it for just before (one network hop), without holding up an idle worker's exit.
+constexpr absl::Duration kDrainSettle = absl::Milliseconds(200);
+
+}  // namespace
 
 void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   f->max_seqs = spec.default_max_seqs;
@@ -40,6 +48,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--metrics-port", f->metrics_port,
                  "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
       ->check(CLI::Range(0, 65535));
+  AddTlsFlags(app, &f->tls);
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
@@ -51,6 +60,8 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
     if (absl::Status st = PinToCpus(*list); !st.ok()) return st;
   }
   if (f->worker_id.empty()) f->worker_id = DefaultWorkerId(spec.role);
+  // Before any server or channel exists: they take the process's TLS settings.
+  if (absl::Status st = SetProcessTls(f->tls); !st.ok()) return st;
   return absl::OkStatus();
 }
 
@@ -130,11 +141,26 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   }
 
   const int sig = WaitForTerminationSignal();
+  const absl::Time signalled = absl::Now();
+  const absl::Time deadline = signalled + absl::Milliseconds(f.grace_ms);
   std::fprintf(stderr, "%s: signal %d: draining (grace %d ms)\n", o.binary.c_str(), sig,
                f.grace_ms);
-  if (registration) registration->Stop();  // the router stops sending new work first
-  (*server)->Shutdown(absl::Milliseconds(f.grace_ms));
+  if (registration) {
+    registration->Stop();  // deregisters: the router stops choosing this worker first
+    // A call the router chose this worker for just before may still be on its way; refusing it
+    // would cost the request a retry elsewhere (a redone prefill).
+    absl::SleepFor(std::min(kDrainSettle, deadline - absl::Now()));
+  }
+  int pending = 0;
+  while (o.pending_work && (pending = o.pending_work()) > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  (*server)->Shutdown(std::max(absl::ZeroDuration(), deadline - absl::Now()));
   metrics_server.reset();  // after the drain, so its last counts can still be scraped
+  const std::string unclaimed =
+      pending > 0 ? absl::StrCat(" (", pending, " pending unclaimed at the deadline)") : "";
+  std::fprintf(stderr, "%s: drained in %.0f ms%s\n", o.binary.c_str(),
+               absl::ToDoubleMilliseconds(absl::Now() - signalled), unclaimed.c_str());
   return 0;
 }
 

@@ -25,6 +25,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "services/common/metrics.h"
+#include "services/common/tls.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace CLI {
@@ -56,6 +57,7 @@ struct WorkerFlags {
   int grace_ms = 10000;
   std::string cpus;
   int metrics_port = 0;  // 0: no /metrics endpoint
+  TlsOptions tls;        // --tls-*: every gRPC server and client of the process (tls.h)
 };
 
 // How one binary words and bounds the shared flags.
@@ -95,13 +97,20 @@ struct ServeOptions {
   std::function<v1::WorkerStats()> stats;
   // Served on --host:--metrics-port when that is not 0; borrowed, must outlive ServeWorker.
   Metrics* metrics = nullptr;
+  // Work accepted that no call has claimed yet (decode: reservations awaiting their Decode).
+  // While it is above 0 a draining worker keeps accepting calls, so the Decode of a reservation
+  // the router made just before the worker deregistered is served, not refused. Empty: none.
+  // Called on the signal-waiting thread; must be thread-safe.
+  std::function<int()> pending_work;
 };
 
 // Serves `o.service` on --host/--port (with health and reflection); with --metrics-port also
 // serves o.metrics on http://--host:PORT/metrics, from before the port file is written until
 // after the drain. Writes --port-file once serving, prints the serving line, registers with
-// --router when given, then waits for SIGTERM/SIGINT. Then it deregisters, lets in-flight calls
-// finish for up to --grace-ms, cancels the rest and returns 0. Returns 1 after printing
+// --router when given, then waits for SIGTERM/SIGINT. Then it drains, all within --grace-ms:
+// deregisters (the router stops choosing it), keeps accepting calls briefly for those the
+// router chose it for before that and while o.pending_work() > 0, then stops accepting, lets
+// in-flight calls finish, cancels what is left at the deadline and returns 0. Returns 1 after printing
 // "<binary>: <what>: <error>" when the server, the metrics endpoint, the port file or the
 // registration cannot start.
 int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);

@@ -9,8 +9,9 @@
 // what colocated serving means (one engine, one batch). A separate PrefillWorker service here
 // would need a second engine and KV pool competing for the same cores.
 //
-// Shutdown on SIGTERM/SIGINT: deregister from the router, stop accepting calls, let in-flight
-// streams finish for up to --grace-ms, cancel the rest, exit 0.
+// Shutdown on SIGTERM/SIGINT: deregister from the router, serve the Decode of every reservation
+// already made, stop accepting calls, let in-flight streams finish, all within --grace-ms;
+// cancel the rest, exit 0.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -92,6 +93,8 @@ int Main(int argc, char** argv) {
   decode::DecodeWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
   so.metrics = &metrics;
+  // On SIGTERM, reservations made just before deregistering still get their Decode.
+  so.pending_work = [w] { return w->Stats().reservations(); };
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
   return rc;

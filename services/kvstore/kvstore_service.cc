@@ -60,6 +60,43 @@ grpc::Status KvStoreService::Get(grpc::ServerContext*, const v1::KvGetRequest* r
   return grpc::Status::OK;
 }
 
+namespace {
+
+grpc::Status NoDataPlane() {
+  return services::ToGrpcStatus(absl::FailedPreconditionError(
+      "this kvstore has no KV transport (--transport none): use the inline Put and Get"));
+}
+
+}  // namespace
+
+grpc::Status KvStoreService::Read(grpc::ServerContext* ctx, const v1::KvReadRequest* req,
+                                  v1::KvReadResponse* resp) {
+  if (data_plane_ == nullptr) return NoDataPlane();
+  absl::StatusOr<v1::KvReadResponse> r =
+      data_plane_->Read(*req, services::FromChronoDeadline(ctx->deadline()));
+  if (!r.ok()) return services::ToGrpcStatus(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Stage(grpc::ServerContext*, const v1::KvStageRequest* req,
+                                   v1::KvStageResponse* resp) {
+  if (data_plane_ == nullptr) return NoDataPlane();
+  absl::StatusOr<v1::KvStageResponse> r = data_plane_->Stage(*req);
+  if (!r.ok()) return services::ToGrpcStatus(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreService::Commit(grpc::ServerContext*, const v1::KvCommitRequest* req,
+                                    v1::KvCommitResponse* resp) {
+  if (data_plane_ == nullptr) return NoDataPlane();
+  absl::StatusOr<v1::KvCommitResponse> r = data_plane_->Commit(*req);
+  if (!r.ok()) return services::ToGrpcStatus(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
 grpc::Status KvStoreService::Stats(grpc::ServerContext*, const v1::KvStatsRequest*,
                                    v1::KvStatsResponse* resp) {
   const TieredStoreStats s = store_->stats();

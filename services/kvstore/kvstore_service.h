@@ -1,11 +1,14 @@
 // The tandem.v1.KvStore gRPC service over a TieredStore.
 //
 // Threading: handlers run on gRPC's threads; the TieredStore is thread-safe, so no locking here.
-// Ownership: the store is borrowed and must outlive the service.
+// Ownership: the store and the data plane are borrowed and must outlive the service.
+// Without a data plane (no transport), Read, Stage and Commit answer FAILED_PRECONDITION and
+// only the inline-bytes Put and Get move data.
 // Errors: store errors map one to one onto gRPC codes (services::ToGrpcStatus); a Get that meets
 // a missing or corrupt block ends its reply there rather than failing the call.
 #pragma once
 
+#include "services/kvstore/data_plane.h"
 #include "services/kvstore/tiered_store.h"
 #include "tandem/v1/kvstore.grpc.pb.h"
 
@@ -15,7 +18,15 @@ v1::KvTier ToProtoTier(TierKind k);
 
 class KvStoreService final : public v1::KvStore::Service {
  public:
-  explicit KvStoreService(TieredStore* store) : store_(store) {}
+  explicit KvStoreService(TieredStore* store, KvDataPlane* data_plane = nullptr)
+      : store_(store), data_plane_(data_plane) {}
+
+  grpc::Status Read(grpc::ServerContext* ctx, const v1::KvReadRequest* req,
+                    v1::KvReadResponse* resp) override;
+  grpc::Status Stage(grpc::ServerContext* ctx, const v1::KvStageRequest* req,
+                     v1::KvStageResponse* resp) override;
+  grpc::Status Commit(grpc::ServerContext* ctx, const v1::KvCommitRequest* req,
+                      v1::KvCommitResponse* resp) override;
 
   grpc::Status Lookup(grpc::ServerContext* ctx, const v1::KvLookupRequest* req,
                       v1::KvLookupResponse* resp) override;
@@ -28,6 +39,7 @@ class KvStoreService final : public v1::KvStore::Service {
 
  private:
   TieredStore* store_;
+  KvDataPlane* data_plane_;
 };
 
 }  // namespace tandem::kvstore

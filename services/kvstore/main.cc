@@ -4,25 +4,83 @@
 //                  [--device-mb N] [--host-mb N] [--ssd-mb N] [--block-kb N]
 //                  [--high-watermark F] [--low-watermark F] [--ssd-min-hits N] [--no-io-uring]
 //                  [--metrics-port P] [--model-name NAME]
+//                  [--transport ucx|inproc|none] [--ucx-tls shm|tcp|all|LIST] [--staging-mb N]
+//                  [--stage-lease-ms N]
+//   tandem-kvstore --dir SSD_DIR --ssd-bench-mb N [--block-kb N] [--no-io-uring]
 //
 // Serves tandem.v1.KvStore (plus health and reflection). SSD is enabled when --dir is given and
 // --ssd-mb is positive; blocks already in --dir are served again after a restart.
 // --metrics-port serves Prometheus metrics (services/kvstore/metrics.h) on
 // http://HOST:PORT/metrics, labelled model_name=--model-name and role="kvstore".
+// --transport (as the workers take it) is the data plane: Read writes blocks into a requester's
+// registered region, Stage/Commit take blocks a publisher wrote into the store's staging region
+// (--staging-mb, cut into --block-kb slots). `none` leaves only the inline Put and Get.
+// --ssd-bench-mb writes N MiB of --block-kb blocks through the SSD tier (its own files, O_DIRECT,
+// io_uring), reads them back, deletes them, prints one JSON line with the GB/s and exits; the
+// kv_tiers benchmark compares it with dd on the same directory.
 // SIGTERM / SIGINT: stop accepting, let in-flight calls finish, exit 0.
+#include <algorithm>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "services/common/grpc_server.h"
 #include "services/common/metrics.h"
 #include "services/common/process_util.h"
+#include "services/common/tls.h"
+#include "services/common/transport_factory.h"
+#include "services/kvstore/data_plane.h"
 #include "services/kvstore/kvstore_service.h"
 #include "services/kvstore/metrics.h"
 #include "services/kvstore/tiered_store.h"
 
 namespace {
+
+int Fail(const absl::Status& st);
+
+int SsdBench(const tandem::kvstore::TieredStoreConfig& c, uint64_t mb) {
+  using tandem::kvstore::SsdTier;
+  tandem::kvstore::SsdTierOptions o;
+  o.dir = c.ssd_dir;
+  o.capacity_bytes = (mb + 64) << 20;
+  o.use_io_uring = c.ssd_use_io_uring;
+  auto tier = SsdTier::Open(o);
+  if (!tier.ok()) {
+    std::fprintf(stderr, "tandem-kvstore: ssd bench: %s\n", tier.status().ToString().c_str());
+    return 1;
+  }
+  // Payloads that fill their files exactly: the bytes timed are the bytes on disk.
+  const uint64_t payload = c.device_slot_bytes - SsdTier::kHeaderBytes;
+  const uint64_t n = std::max<uint64_t>(1, (mb << 20) / c.device_slot_bytes);
+  std::vector<uint8_t> data(payload);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (auto& b : data) b = static_cast<uint8_t>((x = x * 6364136223846793005ull + 1) >> 56);
+  const uint64_t base = 0x5353440000000000ull;
+  const absl::Time t0 = absl::Now();
+  for (uint64_t i = 0; i < n; ++i) {
+    data[0] = static_cast<uint8_t>(i);
+    if (absl::Status st = (*tier)->Put(base + i, data); !st.ok()) return Fail(st);
+  }
+  const absl::Time t1 = absl::Now();
+  for (uint64_t i = 0; i < n; ++i) {
+    auto got = (*tier)->Get(base + i);
+    if (!got.ok()) return Fail(got.status());
+  }
+  const absl::Time t2 = absl::Now();
+  for (uint64_t i = 0; i < n; ++i) (void)(*tier)->Erase(base + i);
+  const double bytes = double(n) * double(c.device_slot_bytes);
+  std::printf("{\"blocks\": %llu, \"block_bytes\": %llu, \"write_gbps\": %.3f, "
+              "\"read_gbps\": %.3f, \"io_uring\": %s}\n",
+              static_cast<unsigned long long>(n),
+              static_cast<unsigned long long>(c.device_slot_bytes),
+              bytes / absl::ToDoubleSeconds(t1 - t0) / 1e9,
+              bytes / absl::ToDoubleSeconds(t2 - t1) / 1e9,
+              (*tier)->using_io_uring() ? "true" : "false");
+  return 0;
+}
 
 int Fail(const absl::Status& st) {
   std::fprintf(stderr, "tandem-kvstore: error: %s\n", st.ToString().c_str());
@@ -41,6 +99,9 @@ int main(int argc, char** argv) {
   double high = c.device.high_watermark, low = c.device.low_watermark;
   int64_t grace_ms = 2000;
   bool no_io_uring = false;
+  std::string transport = "ucx", ucx_tls = "shm";
+  uint64_t staging_mb = 64, ssd_bench_mb = 0;
+  int64_t stage_lease_ms = 10000;
   CLI::App app{"tandem-kvstore: tiered KV block store (device, host, SSD)"};
   app.add_option("--host", host, "Address to listen on");
   app.add_option("--port", port, "gRPC port (0: any free port)");
@@ -61,17 +122,35 @@ int main(int argc, char** argv) {
                  "Serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--model-name", model_name, "The model_name label of the metrics");
+  app.add_option("--transport", transport,
+                 "KV data plane: ucx, inproc (same process only) or none (inline bytes only)")
+      ->check(CLI::IsMember({"ucx", "inproc", "none"}));
+  app.add_option("--ucx-tls", ucx_tls, "UCX transports: shm, tcp, all or a UCX_TLS list");
+  app.add_option("--staging-mb", staging_mb, "Staging region for published blocks, MiB");
+  app.add_option("--stage-lease-ms", stage_lease_ms,
+                 "How long staged slots wait for their Commit")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ssd-bench-mb", ssd_bench_mb,
+                 "Measure the SSD tier's write and read GB/s on --dir with this many MiB, then exit");
+  tandem::services::TlsOptions tls;
+  tandem::services::AddTlsFlags(app, &tls);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // The gRPC server below takes the process's TLS settings (files are read here).
+  if (absl::Status st = tandem::services::SetProcessTls(tls); !st.ok()) return Fail(st);
   c.device = {device_mb << 20, high, low};
   c.host = {host_mb << 20, high, low};
   c.ssd = {c.ssd_dir.empty() ? 0 : ssd_mb << 20, high, low};
   c.device_slot_bytes = block_kb << 10;
   c.ssd_use_io_uring = !no_io_uring;
 
+  if (ssd_bench_mb > 0) {
+    if (c.ssd_dir.empty()) return Fail(absl::InvalidArgumentError("--ssd-bench-mb needs --dir"));
+    return SsdBench(c, ssd_bench_mb);
+  }
   tandem::services::BlockTerminationSignals();
   if (!cpus.empty()) {
     absl::StatusOr<std::vector<int>> list = tandem::services::ParseCpuList(cpus);
@@ -80,7 +159,29 @@ int main(int argc, char** argv) {
   }
   auto store = tandem::kvstore::TieredStore::Create(c);
   if (!store.ok()) return Fail(store.status());
-  tandem::kvstore::KvStoreService service(store->get());
+  std::unique_ptr<tandem::transfer::KvTransport> kv_transport;
+  std::unique_ptr<tandem::kvstore::KvDataPlane> data_plane;
+  if (transport != "none") {
+    tandem::services::TransportChoice tc;
+    tc.kind = transport;
+    tc.name = "kvstore";
+    tc.ucx_tls = ucx_tls;
+    auto t = tandem::services::CreateTransport(tc);
+    if (!t.ok()) return Fail(t.status());
+    kv_transport = std::move(*t);
+    tandem::kvstore::DataPlaneOptions dpo;
+    dpo.transport = kv_transport.get();
+    dpo.staging_bytes = staging_mb << 20;
+    dpo.slot_bytes = c.device_slot_bytes;
+    dpo.stage_lease = absl::Milliseconds(stage_lease_ms);
+    auto dp = tandem::kvstore::KvDataPlane::Create(dpo, store->get());
+    if (!dp.ok()) return Fail(dp.status());
+    data_plane = std::move(*dp);
+    std::fprintf(stderr, "tandem-kvstore: data plane %s, %d staging slots of %llu bytes\n",
+                 kv_transport->capabilities().name.c_str(), data_plane->num_slots(),
+                 static_cast<unsigned long long>(c.device_slot_bytes));
+  }
+  tandem::kvstore::KvStoreService service(store->get(), data_plane.get());
   tandem::services::GrpcServerOptions so;
   so.host = host;
   so.port = port;

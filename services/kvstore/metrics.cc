@@ -24,7 +24,7 @@ void UpdateKvStoreMetrics(const TieredStoreStats& s, const std::string& model_na
                         "Gets served by each KV store tier.", m);
   auto& misses = KvFamily(prometheus::BuildCounter(), "kvstore_tier_misses_total",
                           "Gets that looked past each KV store tier.", m);
-  int64_t integrity = 0;
+  int64_t integrity = s.rejected_blocks;
   for (int k = 0; k < kNumTiers; ++k) {
     const TierStats& t = s.tiers[k];
     integrity += t.integrity_failures;

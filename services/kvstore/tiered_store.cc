@@ -249,6 +249,11 @@ std::optional<TierKind> TieredStore::Where(uint64_t hash) const {
   return static_cast<TierKind>(Top(it->second));
 }
 
+void TieredStore::CountRejectedBlock() {
+  absl::MutexLock l(&mu_);
+  ++stats_.rejected_blocks;
+}
+
 TieredStoreStats TieredStore::stats() const {
   absl::MutexLock l(&mu_);
   TieredStoreStats s = stats_;

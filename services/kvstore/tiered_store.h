@@ -69,6 +69,9 @@ struct TieredStoreStats {
   int64_t puts = 0;
   int64_t gets = 0;
   int64_t dropped_cold = 0;  // demotions to SSD skipped by the frequency filter
+  // Blocks refused before they were stored because their bytes did not match the checksum the
+  // publisher sent (data plane Commit); counted in kv_integrity_failures_total with the tiers'.
+  int64_t rejected_blocks = 0;
 };
 
 struct PrefixMatch {
@@ -90,6 +93,8 @@ class TieredStore {
   PrefixMatch LookupPrefix(std::span<const uint64_t> hashes) const;
   std::optional<TierKind> Where(uint64_t hash) const;
   TieredStoreStats stats() const;
+  // Counts a block refused by an integrity check before it reached the store.
+  void CountRejectedBlock();
   // Null for a disabled tier. For inspection (names, tests) while no other thread uses the
   // store: the tier itself is not locked.
   const Tier* tier(TierKind k) const { return tiers_[static_cast<int>(k)].get(); }

@@ -3,6 +3,11 @@
 //
 // Serves tandem.v1.PrefillWorker: computes prompts' KV with chunked prefill and writes it over
 // the KV transport into the decode worker's reserved blocks, layer by layer.
+// Prefix onboarding: the worker keeps computed blocks in a prefix cache (off with
+// --no-prefix-cache) and, with --kvstore HOST:PORT, onboards cached prefixes from tandem-kvstore
+// over the same KV transport and publishes new blocks to it (--kvstore-lookup-ms and
+// --kvstore-read-ms bound the calls on a request's path; --publish-queue-blocks bounds the
+// asynchronous publishing). The kvstore must run with the same --transport.
 // Shutdown on SIGTERM/SIGINT: deregister from the router, stop accepting calls, let in-flight
 // prefills finish for up to --grace-ms, cancel the rest, exit 0.
 #include <cstdio>
@@ -36,6 +41,18 @@ int Main(int argc, char** argv) {
   services::WorkerFlags flags;
   services::AddWorkerFlags(app, &flags, spec);
   int max_transfer_ms = 120000, step_delay_ms = 0;
+  bool no_prefix_cache = false;
+  std::string kvstore;
+  int kvstore_lookup_ms = 200, kvstore_read_ms = 5000, publish_queue_blocks = 512;
+  app.add_flag("--no-prefix-cache", no_prefix_cache, "compute every prompt in full");
+  app.add_option("--kvstore", kvstore, "tandem-kvstore HOST:PORT to onboard from and publish to");
+  app.add_option("--kvstore-lookup-ms", kvstore_lookup_ms, "deadline of a kvstore Lookup")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--kvstore-read-ms", kvstore_read_ms, "deadline of a kvstore Read")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--publish-queue-blocks", publish_queue_blocks,
+                 "blocks waiting to be published before new ones are dropped")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-transfer-ms", max_transfer_ms,
                  "bound on a KV transfer when the Prefill call has no deadline")
       ->check(CLI::PositiveNumber);
@@ -68,6 +85,11 @@ int Main(int argc, char** argv) {
   wo.worker_id = flags.worker_id;
   wo.transport = kv_transport->get();
   wo.max_transfer_time = absl::Milliseconds(max_transfer_ms);
+  wo.prefix_cache = !no_prefix_cache;
+  wo.kvstore.address = kvstore;
+  wo.kvstore.lookup_timeout = absl::Milliseconds(kvstore_lookup_ms);
+  wo.kvstore.read_timeout = absl::Milliseconds(kvstore_read_ms);
+  wo.kvstore.publish_queue_blocks = publish_queue_blocks;
   if (step_delay_ms > 0) {
     wo.before_step = [d = absl::Milliseconds(step_delay_ms)] { absl::SleepFor(d); };
   }

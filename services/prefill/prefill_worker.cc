@@ -1,10 +1,13 @@
 #include "services/prefill/prefill_worker.h"
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
+#include "engine/kv/block_pool.h"
 #include "engine/sampling/sampler.h"
 #include "services/common/kv_layout.h"
 #include "services/common/sampling_convert.h"
@@ -23,6 +26,12 @@ struct PrefillWorker::Job {
   absl::Time deadline;
   std::chrono::steady_clock::time_point write_deadline;
   absl::Time arrived;  // when Prefill was called
+  uint64_t salt = 0;
+  std::vector<uint64_t> hashes;  // chained hashes of the prompt's full blocks
+  int32_t usable = 0;            // leading blocks that may be reused (never the last token's)
+  int32_t store_matched = 0;     // leading blocks the kvstore said it holds
+  std::vector<int> store_tiers;  // v1::KvTier of each of them
+  double lookup_seconds = 0;
 
   std::atomic<bool> cancelled{false};
 
@@ -34,6 +43,11 @@ struct PrefillWorker::Job {
   int32_t first_token = -1;
   std::vector<uint64_t> checksums;
   absl::Status compute_status;
+  int32_t local_cached_blocks = 0;  // reused from the own prefix cache
+  int32_t kvstore_blocks = 0;       // read from the kvstore
+  double onboard_seconds = 0;
+  std::string onboard_tier;
+  int32_t published_blocks = 0;
 
   // Shared by the engine thread (posting writes) and the transport's callbacks.
   absl::Mutex mu;
@@ -54,9 +68,44 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
     const PrefillWorkerOptions& o) {
   if (o.model == nullptr) return absl::InvalidArgumentError("prefill worker needs a model");
   if (o.transport == nullptr) return absl::InvalidArgumentError("prefill worker needs a transport");
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> engine,
-                          engine::Engine::Create(o.model, o.engine));
-  std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(engine)));
+  // With a kvstore the local pool is a registered region (the store writes onboarded blocks
+  // into it): transport-allocated memory where the transport offers it, as decode does.
+  const bool with_store = !o.kvstore.address.empty();
+  engine::EngineOptions eo = o.engine;
+  std::optional<transfer::RegionDescriptor> allocated;
+  if (with_store) {
+    TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes, engine::Engine::KvBytes(*o.model, eo));
+    absl::StatusOr<transfer::AllocatedRegion> a = o.transport->AllocateRegion(bytes);
+    if (a.ok()) {
+      eo.kv_memory = a->base;
+      eo.kv_memory_bytes = bytes;
+      allocated = a->descriptor;
+    } else if (a.status().code() != absl::StatusCode::kUnimplemented) {
+      return a.status();
+    }
+  }
+  absl::StatusOr<std::unique_ptr<engine::Engine>> engine = engine::Engine::Create(o.model, eo);
+  if (!engine.ok()) {
+    if (allocated) (void)o.transport->DeregisterRegion(allocated->region_id);
+    return engine.status();
+  }
+  std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(*engine)));
+  if (allocated) {
+    w->region_bytes_ = allocated->Serialize();
+    w->region_id_ = allocated->region_id;
+    w->region_registered_ = true;
+    w->pool_in_transport_memory_ = true;
+  } else if (with_store) {
+    std::span<uint8_t> mem = w->engine_->kv().memory();
+    TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor region,
+                            o.transport->RegisterRegion(mem.data(), mem.size()));
+    w->region_bytes_ = region.Serialize();
+    w->region_id_ = region.region_id;
+    w->region_registered_ = true;
+  }
+  if (with_store) {
+    TANDEM_ASSIGN_OR_RETURN(w->kvstore_, KvStoreClient::Create(o.kvstore, o.transport));
+  }
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
   return w;
@@ -66,6 +115,7 @@ PrefillWorker::PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engi
     : o_(o), engine_(std::move(engine)), kv_blocks_total_(engine_->kv().pool().num_blocks()) {
   const transfer::Capabilities caps = o_.transport->capabilities();
   transport_name_ = caps.detail.empty() ? caps.name : absl::StrCat(caps.name, ":", caps.detail);
+  if (o_.prefix_cache) cache_ = std::make_unique<engine::PrefixCache>(&engine_->kv().pool());
 }
 
 PrefillWorker::~PrefillWorker() {
@@ -75,6 +125,17 @@ PrefillWorker::~PrefillWorker() {
     cv_.Signal();
   }
   if (thread_.joinable()) thread_.join();
+  kvstore_.reset();
+  cache_.reset();
+  quarantine_.clear();
+  if (region_registered_ && !pool_in_transport_memory_) {
+    (void)o_.transport->DeregisterRegion(region_id_);
+  }
+  engine_.reset();
+  // Transport-allocated pool memory is freed by the deregistration, after the engine is gone.
+  if (region_registered_ && pool_in_transport_memory_) {
+    (void)o_.transport->DeregisterRegion(region_id_);
+  }
 }
 
 const std::string& PrefillWorker::model_name() const {
@@ -136,6 +197,13 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
   }
   job->id = req.request_id();
   job->prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  job->salt = req.salt();
+  if (cache_ != nullptr || kvstore_ != nullptr) {
+    job->hashes = engine::ComputeBlockHashes(job->prompt, kv.block_size(), job->salt);
+    // The last prompt token is always computed: its logits give the first token.
+    job->usable = static_cast<int32_t>(
+        std::min<int64_t>(job->hashes.size(), (n - 1) / kv.block_size()));
+  }
   job->dst_blocks.assign(dst.block_ids().begin(), dst.block_ids().begin() + blocks);
   job->region = std::move(*region);
   job->layer_stride = dst.layer_stride();
@@ -164,6 +232,21 @@ absl::StatusOr<v1::PrefillResponse> PrefillWorker::Prefill(
   const absl::Time arrived = absl::Now();
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, MakeJob(req, deadline));
   job->arrived = arrived;
+  if (kvstore_ != nullptr && job->usable > 0) {
+    // On the caller's thread, so a slow or dead store never holds up the engine thread. Any
+    // error is a miss: the request runs cold.
+    const absl::Time t0 = absl::Now();
+    absl::StatusOr<v1::KvLookupResponse> m =
+        kvstore_->Lookup(std::span<const uint64_t>(job->hashes).first(job->usable));
+    job->lookup_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+    if (m.ok()) {
+      job->store_matched = std::min(m->matched(), job->usable);
+      for (int i = 0; i < job->store_matched && i < m->tiers_size(); ++i) {
+        job->store_tiers.push_back(m->tiers(i));
+      }
+      job->store_matched = static_cast<int32_t>(job->store_tiers.size());
+    }
+  }
   {
     absl::MutexLock l(&mu_);
     if (stop_) return absl::UnavailableError("prefill worker is shutting down");
@@ -216,7 +299,16 @@ v1::WorkerStats PrefillWorker::Stats() const {
   const transfer::TransportStats ts = o_.transport->stats();
   s.set_transport_bytes_written(ts.bytes_written);
   s.set_transport_bytes_received(ts.bytes_received);
+  if (kvstore_ != nullptr) {
+    const KvStoreClientStats ks = kvstore_->stats();
+    s.set_kvstore_published_blocks(ks.published_blocks);
+    s.set_kvstore_publish_dropped(ks.dropped_blocks);
+  }
   return s;
+}
+
+bool PrefillWorker::WaitForPublishing(absl::Duration timeout) {
+  return kvstore_ == nullptr || kvstore_->WaitIdle(timeout);
 }
 
 void PrefillWorker::PublishStats() {
@@ -225,13 +317,16 @@ void PrefillWorker::PublishStats() {
   snapshot_.set_running(static_cast<int32_t>(active_.size()));
   snapshot_.set_waiting(static_cast<int32_t>(queue_.size() + pending_.size()));
   snapshot_.set_kv_blocks_total(pool.num_blocks());
-  snapshot_.set_kv_blocks_free(pool.num_free());
+  // Cached blocks nobody uses are free for allocation (the cache gives them back on demand).
+  snapshot_.set_kv_blocks_free(pool.num_available());
+  snapshot_.set_prefix_cache_query_blocks(query_blocks_);
+  snapshot_.set_prefix_cache_hit_blocks(hit_blocks_);
   if (o_.metrics != nullptr) {
     services::ServingMetrics& m = *o_.metrics;
     m.num_requests_running.Set(snapshot_.running());
     m.num_requests_waiting.Set(snapshot_.waiting());
     const int32_t total = pool.num_blocks();
-    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_free()) / total : 0.0);
+    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_available()) / total : 0.0);
   }
 }
 
@@ -251,7 +346,13 @@ void PrefillWorker::Loop() {
         if (!queue_.empty() && (!admit_blocked_ || stop_)) return true;
         return stop_ && (!stop_seen || (queue_.empty() && active_.empty()));
       };
-      while (!must_act()) cv_.Wait(&mu_);
+      while (!must_act()) {
+        if (quarantine_.empty()) {
+          cv_.Wait(&mu_);
+        } else if (cv_.WaitWithTimeout(&mu_, absl::Milliseconds(100))) {
+          break;  // quarantined blocks may be due: a blocked admission may now fit
+        }
+      }
       wake_ = false;
       stopping = stop_;
       while (!pending_.empty()) {
@@ -261,6 +362,10 @@ void PrefillWorker::Loop() {
       ready.swap(ready_);
     }
     for (auto& j : ready) Finalize(j);
+    if (!quarantine_.empty()) {
+      ReleaseQuarantine(false);
+      admit_blocked_ = false;
+    }
     stop_seen = stopping;
     shutting_down_ = stopping;
     if (stopping) {
@@ -304,19 +409,161 @@ void PrefillWorker::Admit() {
     Job& j = *queue_.front();
     const int64_t n =
         services::BlocksFor(static_cast<int64_t>(j.prompt.size()), engine_->kv().block_size());
-    absl::StatusOr<std::vector<int32_t>> blocks = pool.AllocateN(static_cast<int32_t>(n));
+    std::vector<int32_t> reused;
+    if (cache_ != nullptr && j.usable > 0) {
+      reused = cache_->Acquire(std::span<const uint64_t>(j.hashes).first(j.usable));
+    }
+    absl::StatusOr<std::vector<int32_t>> blocks =
+        pool.AllocateN(static_cast<int32_t>(n - static_cast<int64_t>(reused.size())));
     if (!blocks.ok()) {
+      for (auto it = reused.rbegin(); it != reused.rend(); ++it) cache_->Release(*it);
       admit_blocked_ = true;  // FIFO: the head waits for blocks to free up
       return;
     }
-    j.local_blocks = std::move(*blocks);
+    j.local_cached_blocks = static_cast<int32_t>(reused.size());
+    j.local_blocks = std::move(reused);
+    j.local_blocks.insert(j.local_blocks.end(), blocks->begin(), blocks->end());
+    if (j.local_cached_blocks > 0) j.onboard_tier = "local";
+    const absl::Time onboard_start = absl::Now();
+    Onboard(j, j.usable);
+    if (!j.compute_status.ok()) {  // no blocks to replace those a failed read may still get
+      std::shared_ptr<Job> keep = std::move(queue_.front());
+      queue_.pop_front();
+      Complete(*keep, keep->compute_status);
+      continue;
+    }
+    const int32_t onboarded = j.local_cached_blocks + j.kvstore_blocks;
+    if (j.usable > 0) {
+      query_blocks_ += j.usable;
+      hit_blocks_ += onboarded;
+      if (cache_ != nullptr) cache_->RecordLookup(j.usable, onboarded);
+      if (o_.metrics != nullptr) {
+        o_.metrics->prefix_cache_queries.Increment(j.usable);
+        o_.metrics->prefix_cache_hits.Increment(onboarded);
+      }
+    }
+    if (j.kvstore_blocks > 0 || j.store_matched > 0) {
+      j.onboard_seconds = j.lookup_seconds + absl::ToDoubleSeconds(absl::Now() - onboard_start);
+    }
+    j.n_done = int64_t{onboarded} * engine_->kv().block_size();
     j.compute_start = absl::Now();
     if (o_.metrics != nullptr) {
       o_.metrics->request_queue_time.Observe(
           absl::ToDoubleSeconds(std::max(j.compute_start - j.arrived, absl::ZeroDuration())));
     }
-    active_.push_back(std::move(queue_.front()));
+    std::shared_ptr<Job> job = std::move(queue_.front());
     queue_.pop_front();
+    active_.push_back(job);
+    // The onboarded prefix goes to decode like computed KV: every layer of it, now.
+    if (job->n_done > 0) {
+      for (int32_t l = 0; l < engine_->model().config().n_layer; ++l) {
+        PostLayerWrites(job, 0, job->n_done, l);
+      }
+    }
+  }
+}
+
+void PrefillWorker::Onboard(Job& j, int32_t usable) {
+  const int32_t from = static_cast<int32_t>(j.local_cached_blocks);
+  const int32_t to = std::min(j.store_matched, usable);
+  if (kvstore_ == nullptr || !region_registered_ || to <= from) return;
+  engine::KvCache& kv = engine_->kv();
+  v1::KvReadRequest req;
+  req.mutable_block_hashes()->Add(j.hashes.begin() + from, j.hashes.begin() + to);
+  req.mutable_block_ids()->Add(j.local_blocks.begin() + from, j.local_blocks.begin() + to);
+  v1::KvRegionLayout* d = req.mutable_destination();
+  d->set_region(region_bytes_);
+  d->set_num_layers(engine_->model().config().n_layer);
+  d->set_layer_stride(2 * kv.layer_bytes());
+  d->set_kv_stride(kv.layer_bytes());
+  d->set_segment_bytes(kv.block_bytes());
+  absl::StatusOr<v1::KvReadResponse> r = kvstore_->Read(req);
+  if (!r.ok()) {
+    // The store may still write into these blocks (a timed-out call's writes are bounded by its
+    // deadline, not stopped): keep them out of use for a while and compute into fresh ones.
+    absl::StatusOr<std::vector<int32_t>> fresh = kv.pool().AllocateN(to - from);
+    std::vector<int32_t> held(j.local_blocks.begin() + from, j.local_blocks.begin() + to);
+    quarantine_.push_back(
+        {absl::Now() + kvstore_->options().read_timeout + o_.read_quarantine, std::move(held)});
+    if (!fresh.ok()) {
+      // Drop them from the job (they are quarantined) and give back the rest.
+      j.local_blocks.erase(j.local_blocks.begin() + from, j.local_blocks.begin() + to);
+      ReleaseBlocks(j, /*cache_them=*/false);
+      j.compute_status = absl::ResourceExhaustedError(absl::StrCat(
+          "kvstore read failed (", r.status().message(),
+          ") and no free KV blocks are left to compute the prefix instead"));
+      return;
+    }
+    std::copy(fresh->begin(), fresh->end(), j.local_blocks.begin() + from);
+    return;
+  }
+  // Only blocks whose bytes here match the store's checksum are used; the rest is computed.
+  int32_t good = 0;
+  int worst = 0;
+  for (int i = 0; i < r->read() && i < r->checksums_size() && from + i < to; ++i) {
+    const int32_t b = j.local_blocks[from + i];
+    if (services::BlockChecksum(kv, b, kv.block_size()) != r->checksums(i)) break;
+    if (i < r->tiers_size()) worst = std::max(worst, static_cast<int>(r->tiers(i)));
+    ++good;
+  }
+  j.kvstore_blocks = good;
+  if (good > 0) {
+    j.onboard_tier = worst == v1::KV_TIER_SSD    ? "ssd"
+                     : worst == v1::KV_TIER_HOST ? "host"
+                                                 : "device";
+  }
+}
+
+void PrefillWorker::QueuePublish(const Job& j) {
+  if (kvstore_ == nullptr) return;
+  const int32_t from = j.store_matched;
+  const int32_t to = static_cast<int32_t>(j.hashes.size());
+  if (to <= from) return;
+  const engine::KvCache& kv = engine_->kv();
+  const int32_t layers = engine_->model().config().n_layer;
+  const uint64_t seg = kv.block_bytes();
+  PublishBatch b;
+  b.block_bytes = 2 * uint64_t(layers) * seg;
+  b.bytes.resize(b.block_bytes * (to - from));
+  uint8_t* out = b.bytes.data();
+  for (int32_t i = from; i < to; ++i) {
+    const uint64_t at = uint64_t(j.local_blocks[i]) * seg;
+    for (int32_t l = 0; l < layers; ++l) {
+      std::memcpy(out, kv.k_layer(l) + at, seg);
+      std::memcpy(out + seg, kv.v_layer(l) + at, seg);
+      out += 2 * seg;
+    }
+    b.hashes.push_back(j.hashes[i]);
+    b.checksums.push_back(j.checksums[i]);
+  }
+  if (kvstore_->Publish(std::move(b))) published_blocks_ += to - from;
+}
+
+void PrefillWorker::ReleaseBlocks(Job& j, bool cache_them) {
+  if (cache_ == nullptr) {
+    engine_->kv().pool().UnrefAll(j.local_blocks);
+  } else {
+    // Tail first, so the cache's LRU evicts a chain's last blocks before its first ones.
+    for (int64_t i = static_cast<int64_t>(j.local_blocks.size()) - 1; i >= 0; --i) {
+      if (cache_them && i < static_cast<int64_t>(j.hashes.size())) {
+        cache_->Insert(j.hashes[i], j.local_blocks[i]);
+      } else {
+        cache_->Release(j.local_blocks[i]);
+      }
+    }
+  }
+  j.local_blocks.clear();
+}
+
+void PrefillWorker::ReleaseQuarantine(bool all) {
+  const absl::Time now = absl::Now();
+  for (auto it = quarantine_.begin(); it != quarantine_.end();) {
+    if (all || it->until <= now) {
+      engine_->kv().pool().UnrefAll(it->blocks);
+      it = quarantine_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -378,6 +625,10 @@ bool PrefillWorker::ComputeStep() {
     // The local copy no longer changes: checksum it while the last writes are in flight.
     j.checksums = services::SequenceChecksums(engine_->kv(), j.local_blocks,
                                               static_cast<int64_t>(j.prompt.size()));
+    j.published_blocks = 0;
+    const uint64_t before = published_blocks_;
+    QueuePublish(j);
+    j.published_blocks = static_cast<int32_t>(published_blocks_ - before);
     EndCompute(jobs[i], absl::OkStatus());
   }
   return true;
@@ -459,8 +710,9 @@ void PrefillWorker::EndCompute(const std::shared_ptr<Job>& job, absl::Status sta
 }
 
 void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
-  engine_->kv().pool().UnrefAll(job->local_blocks);
-  job->local_blocks.clear();
+  // Blocks of a prompt computed in full (or onboarded and verified) enter the prefix cache.
+  const bool computed = job->compute_status.ok() && job->first_token >= 0;
+  ReleaseBlocks(*job, computed && !job->cancelled.load());
   std::erase(active_, job);
   absl::Status write_status;
   uint64_t bytes;
@@ -489,6 +741,16 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
     r.set_transfer_seconds(
         absl::ToDoubleSeconds(std::max(writes_done - job->compute_end, absl::ZeroDuration())));
     r.set_transport(transport_name_);
+    const int32_t bs = engine_->kv().block_size();
+    r.set_local_cached_tokens(job->local_cached_blocks * bs);
+    r.set_kvstore_tokens(job->kvstore_blocks * bs);
+    r.set_onboarded_tokens((job->local_cached_blocks + job->kvstore_blocks) * bs);
+    r.set_onboard_seconds(job->onboard_seconds);
+    r.set_onboard_tier(job->onboard_tier);
+    r.set_published_blocks(job->published_blocks);
+    if (cache_ != nullptr) {
+      for (uint64_t h : job->hashes) r.add_cached_block_hashes(h);
+    }
     if (o_.metrics != nullptr) {
       o_.metrics->kv_transfer_bytes.Observe(static_cast<double>(bytes));
       o_.metrics->kv_transfer_seconds.Observe(r.transfer_seconds());

@@ -15,11 +15,25 @@
 // only count completions and wake the engine thread. Local blocks stay allocated until every
 // write that reads them has completed, even when the request was cancelled.
 // Ownership: model and transport belong to the caller and must outlive the worker.
+// Prefix onboarding (PrefillWorkerOptions::prefix_cache, ::kvstore): a request's prompt is cut
+// into full blocks named by chained hashes seeded with the request's salt (the tenant, set by
+// the router). At admission the worker reuses the longest run of them in its own prefix cache
+// (engine::PrefixCache over the local pool), then asks the kvstore for more: the Lookup runs on
+// the caller's thread before the request queues; the Read (the store writes the blocks into
+// this worker's registered pool over the transport) runs at admission under a deadline, and
+// every block read is checked against the store's checksum. Only the rest of the prompt is
+// computed (never its last token, whose logits give the first token). The onboarded prefix is
+// sent to decode like computed KV (written for every layer at admission), so decode always
+// gets the whole prompt. When the request succeeds its full blocks enter the prefix cache, and
+// the ones the store did not have are copied out and published to the store off the critical
+// path (KvStoreClient's bounded queue). A store that is down, slow or wrong costs a request
+// at most the lookup and read deadlines: it then runs cold. Blocks a failed Read may still be
+// written into are quarantined (kept out of the pool) for `read_quarantine` before reuse.
 // Metrics (optional, PrefillWorkerOptions::metrics): queue time (Prefill call to admission,
 // when local blocks are allocated), e2e (Prefill call to its answer, any outcome), the KV
 // transfer of each successful request (its bytes, and the transfer time compute did not hide:
-// PrefillResponse.transfer_seconds), running, waiting and local KV usage after every turn. No
-// prefix cache runs here, so its counters stay at zero.
+// PrefillResponse.transfer_seconds), running, waiting and local KV usage after every turn, and
+// the prefix cache's queries and hits (in blocks, own cache and kvstore together).
 // Errors: INVALID_ARGUMENT (bad prompt, sampling or destination), FAILED_PRECONDITION (the
 // destination's KV layout differs from this worker's), ALREADY_EXISTS (id in flight),
 // CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE (peer unreachable, or shutting down).
@@ -40,7 +54,9 @@
 #include "absl/time/time.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
+#include "engine/kv/prefix_cache.h"
 #include "services/common/metrics.h"
+#include "services/prefill/kvstore_client.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::prefill {
@@ -59,6 +75,14 @@ struct PrefillWorkerOptions {
   std::function<void()> before_step;
   // Where this worker's series go (labelled with its model and role); not owned, may be null.
   services::ServingMetrics* metrics = nullptr;
+  // Keep computed full blocks in a prefix cache over the local pool and reuse them.
+  bool prefix_cache = true;
+  // The tiered KV store to onboard from and publish to; an empty address means none. Needs the
+  // local pool registered with the transport, which Create then does.
+  KvStoreClientOptions kvstore;
+  // How long blocks stay out of the pool after a kvstore Read into them failed (the store may
+  // still be writing); on top of the read's own timeout.
+  absl::Duration read_quarantine = absl::Seconds(2);
 };
 
 class PrefillWorker {
@@ -78,6 +102,9 @@ class PrefillWorker {
   // Cancels a queued or running request; false when the id is unknown.
   bool Cancel(const std::string& request_id);
   v1::WorkerStats Stats() const;
+  // Waits until blocks queued for the kvstore are published (or dropped); true at once without
+  // a kvstore. For tests and benchmarks.
+  bool WaitForPublishing(absl::Duration timeout);
 
   const std::string& worker_id() const { return o_.worker_id; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
@@ -97,6 +124,11 @@ class PrefillWorker {
   void Finalize(const std::shared_ptr<Job>& job);
   void Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result);
   void PublishStats();
+  // Engine-thread helpers of prefix onboarding.
+  void Onboard(Job& job, int32_t usable);
+  void QueuePublish(const Job& job);
+  void ReleaseBlocks(Job& job, bool cache_them);
+  void ReleaseQuarantine(bool all);
   // Transport-callback side: the job's last write completed after its compute ended.
   void PostReady(std::shared_ptr<Job> job);
 
@@ -104,6 +136,21 @@ class PrefillWorker {
   std::unique_ptr<engine::Engine> engine_;
   int32_t kv_blocks_total_ = 0;
   std::string transport_name_;
+  std::unique_ptr<engine::PrefixCache> cache_;  // engine thread only; null when off
+  std::unique_ptr<KvStoreClient> kvstore_;      // null without a store
+  // The local pool as registered with the transport (what kvstore Reads write into).
+  std::string region_bytes_;
+  uint64_t region_id_ = 0;
+  bool region_registered_ = false;
+  bool pool_in_transport_memory_ = false;
+  uint64_t published_blocks_ = 0;  // engine thread only
+  uint64_t query_blocks_ = 0;      // engine thread only
+  uint64_t hit_blocks_ = 0;        // engine thread only
+  struct Quarantined {
+    absl::Time until;
+    std::vector<int32_t> blocks;
+  };
+  std::vector<Quarantined> quarantine_;  // engine thread only
 
   // Engine-thread state.
   std::deque<std::shared_ptr<Job>> queue_;    // accepted, waiting for local blocks

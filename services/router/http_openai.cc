@@ -351,6 +351,10 @@ HttpError ErrorFromStatus(const absl::Status& st, ApiKind kind) {
       e.param = "model";
       e.code = "model_not_found";
       break;
+    case absl::StatusCode::kUnauthenticated:
+      e.status = 401;
+      e.code = "invalid_api_key";
+      break;
     case absl::StatusCode::kAlreadyExists:
       e.status = 409;
       e.code = "conflict";

@@ -13,6 +13,7 @@
 #include "httplib.h"
 #include "services/common/grpc_server.h"
 #include "services/common/grpc_status.h"
+#include "services/common/tls.h"
 #include "services/router/log.h"
 
 namespace tandem::router {
@@ -84,6 +85,24 @@ void SendError(httplib::Response& res, const HttpError& e) {
   SendJson(res, e.status, ErrorJson(e));
 }
 
+// A refusal of the router's Generate as an HTTP error; a 429 carries Retry-After (the rate
+// limiter's wait from the call's trailing metadata, else 1 s: admission frees up quickly).
+void SendGenerateError(httplib::Response& res, const grpc::ClientContext& ctx,
+                       const grpc::Status& gs, ApiKind kind) {
+  SendError(res, ErrorFromStatus(services::FromGrpcStatus(gs), kind));
+  if (gs.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+    std::string after = "1";
+    const auto& md = ctx.GetServerTrailingMetadata();
+    if (auto it = md.find("retry-after"); it != md.end()) {
+      after.assign(it->second.data(), it->second.size());
+    }
+    res.set_header("Retry-After", after);
+  }
+  if (gs.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    res.set_header("WWW-Authenticate", "Bearer");
+  }
+}
+
 }  // namespace
 
 // One completion in flight. Owned by a shared_ptr that the streaming content provider holds,
@@ -143,12 +162,12 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   s->model_ = model;
   s->chat_ = std::move(chat);
   s->started_ = absl::ToUnixSeconds(absl::Now());
-  s->channel_ = grpc::CreateChannel(o.router_address, grpc::InsecureChannelCredentials());
+  s->channel_ = services::CreateClientChannel(o.router_address);  // TLS as the router serves
   s->stub_ = v1::Inference::NewStub(s->channel_);
   s->server_ = std::make_unique<httplib::Server>();
   const size_t max_threads = static_cast<size_t>(std::max(4, o.max_threads));
   s->server_->new_task_queue = [max_threads] { return new ElasticTaskQueue(max_threads); };
-  s->server_->set_payload_max_length(64u << 20);
+  s->server_->set_payload_max_length(o.max_body_bytes);  // beyond: 413
   s->server_->set_read_timeout(30, 0);
   s->server_->set_write_timeout(30, 0);
   s->server_->set_tcp_nodelay(true);
@@ -208,6 +227,24 @@ void HttpServer::Untrack(Call* c) {
 
 void HttpServer::Register() {
   httplib::Server& s = *server_;
+  if (o_.auth != nullptr) {
+    // API keys before any handler: every endpoint but the probes and the scrape needs one.
+    s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (req.path == "/health" || req.path == "/metrics") {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      absl::StatusOr<std::string> tenant =
+          o_.auth->Authenticate(req.get_header_value("Authorization"));
+      if (tenant.ok()) return httplib::Server::HandlerResponse::Unhandled;
+      HttpError e;
+      e.status = 401;
+      e.message = std::string(tenant.status().message());
+      e.code = "invalid_api_key";
+      SendError(res, e);
+      res.set_header("WWW-Authenticate", "Bearer");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
   s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     HandleGenerate(ApiKind::kCompletion, req, res);
   });
@@ -300,13 +337,17 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
         disconnects_++;
         raw->ctx.TryCancel();
       });
+  // The router's Generate authenticates again and applies the tenant's rate limit.
+  if (req.has_header("Authorization")) {
+    c->ctx.AddMetadata("authorization", req.get_header_value("Authorization"));
+  }
   c->reader = stub_->Generate(&c->ctx, c->req.generate);
 
   if (!c->req.stream) {
     v1::GenerateResponse m;
     while (c->reader->Read(&m)) c->acc.Add(m);
     const grpc::Status& gs = c->Finish();
-    if (!gs.ok()) return SendError(res, ErrorFromStatus(services::FromGrpcStatus(gs), kind));
+    if (!gs.ok()) return SendGenerateError(res, c->ctx, gs, kind);
     if (!c->acc.finished) {
       return SendError(
           res, ErrorFromStatus(absl::InternalError("the generation ended without a final message"),
@@ -319,9 +360,9 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
   v1::GenerateResponse first;
   if (!c->reader->Read(&first)) {
     const grpc::Status& gs = c->Finish();
-    const absl::Status st = gs.ok() ? absl::InternalError("the generation produced nothing")
-                                    : services::FromGrpcStatus(gs);
-    return SendError(res, ErrorFromStatus(st, kind));
+    if (!gs.ok()) return SendGenerateError(res, c->ctx, gs, kind);
+    return SendError(
+        res, ErrorFromStatus(absl::InternalError("the generation produced nothing"), kind));
   }
   c->pending = std::move(first);
   c->sse.emplace(c->req);

@@ -34,6 +34,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "services/router/auth.h"
 #include "services/router/chat_template.h"
 #include "services/router/http_connection.h"
 #include "services/router/http_openai.h"
@@ -55,6 +56,11 @@ struct HttpServerOptions {
   int max_threads = 1024;                     // connections served at once; more wait for a thread
   bool verbose = false;                       // a log line per request
   std::function<std::string()> metrics_text;  // GET /metrics body (Prometheus text) when set
+  // When set, every endpoint but /health and /metrics needs `Authorization: Bearer KEY` (401
+  // otherwise); completions forward the header to the router's Generate, which also applies
+  // the tenant's rate limit (429 with Retry-After). Borrowed.
+  Authenticator* auth = nullptr;
+  size_t max_body_bytes = 16u << 20;  // larger request bodies get 413
 };
 
 class HttpServer {

@@ -1,16 +1,24 @@
 // tandem-router: the cluster's front door. The only file of the router that reads flags.
 //
-//   tandem-router --model M [--port P] [--host H] [--policy least-load|round-robin]
+//   tandem-router --model M [--port P] [--host H] [--policy least-load|round-robin|kv-aware]
 //                 [--lease-ms L] [--max-inflight N] [--max-queue N] [--cpus LIST]
 //                 [--port-file F] [--http-port Q (OpenAI-compatible HTTP; 0: off)]
+//                 [--metrics-port M] [--slo-ttft-ms T] [--slo-itl-ms I]
+//                 [--prefill-capacity-tps X] [--decode-capacity-tps Y]
+//
+// Prometheus /metrics: on the HTTP port when there is one, and on --metrics-port.
 //
 // SIGTERM / SIGINT: stop accepting, give in-flight requests a grace period, exit 0.
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "services/common/process_util.h"
+#include "services/common/tls.h"
+#include "services/router/auth.h"
 #include "services/router/log.h"
 #include "services/router/router_server.h"
 
@@ -40,7 +48,10 @@ int main(int argc, char** argv) {
   app.add_option("--port", o.port, "gRPC port (0: any free port)");
   app.add_option("--http-port", http_port, "OpenAI-compatible HTTP port (0: no HTTP)");
   app.add_option("--ctx-size", o.ctx_size, "Context per sequence (0: min(model's, 4096))");
-  app.add_option("--policy", policy, "Worker selection: least-load or round-robin");
+  app.add_option("--policy", policy,
+                 "Worker selection: least-load, round-robin or kv-aware (prefill by cached prefix)");
+  app.add_option("--tenant", o.tenant,
+                 "Tenant requests are served as without --api-keys (namespaces prefix caching)");
   app.add_option("--lease-ms", lease_ms, "Worker lease: dropped without a heartbeat this long");
   app.add_option("--reserve-lease-ms", reserve_lease_ms, "Lease of a KV reservation");
   app.add_option("--timeout-ms", timeout_ms, "Deadline of requests that carry none");
@@ -52,6 +63,26 @@ int main(int argc, char** argv) {
   app.add_option("--cpus", cpus, "Pin to these CPUs, e.g. 0,2-3");
   app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
   app.add_flag("--verbose", o.verbose, "Log every request");
+  std::string api_keys, tenant_secret_file;
+  app.add_option("--api-keys", api_keys,
+                 "Require API keys: file of 'KEY TENANT [RPS [BURST]]' lines or JSON (docs/security.md)");
+  app.add_option("--tenant-secret-file", tenant_secret_file,
+                 "Secret that salts each tenant's KV block hashes (with --api-keys)");
+  app.add_option("--max-message-bytes", o.max_message_bytes,
+                 "Largest gRPC message / HTTP body accepted")
+      ->check(CLI::Range(1024, 1 << 30));
+  tandem::services::TlsOptions tls;
+  tandem::services::AddTlsFlags(app, &tls);
+  double slo_ttft_ms = 0, slo_itl_ms = 0, window_s = absl::ToDoubleSeconds(o.autoscale.window);
+  app.add_option("--metrics-port", o.metrics_port,
+                 "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)");
+  app.add_option("--slo-ttft-ms", slo_ttft_ms, "TTFT target (p90) for recommended_replicas");
+  app.add_option("--slo-itl-ms", slo_itl_ms, "Inter-token latency target (p90)");
+  app.add_option("--prefill-capacity-tps", o.autoscale.prefill_capacity_tps,
+                 "Prompt tokens/s one prefill worker sustains (0: measured)");
+  app.add_option("--decode-capacity-tps", o.autoscale.decode_capacity_tps,
+                 "Output tokens/s one decode worker sustains (0: unknown)");
+  app.add_option("--autoscale-window-s", window_s, "Observation window of the recommendation");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,6 +93,15 @@ int main(int argc, char** argv) {
   o.reserve_lease = absl::Milliseconds(reserve_lease_ms);
   o.default_timeout = absl::Milliseconds(timeout_ms);
   o.retry_budget = absl::Milliseconds(retry_ms);
+  if (slo_ttft_ms < 0 || slo_itl_ms < 0 || window_s <= 0 || o.metrics_port < 0 ||
+      o.metrics_port > 65535) {
+    return Fail(absl::InvalidArgumentError(
+        "--slo-ttft-ms and --slo-itl-ms must be >= 0, --autoscale-window-s > 0, "
+        "--metrics-port in [0, 65535]"));
+  }
+  o.autoscale.slo_ttft_s = slo_ttft_ms / 1000.0;
+  o.autoscale.slo_itl_s = slo_itl_ms / 1000.0;
+  o.autoscale.window = absl::Seconds(window_s);
   // Before any thread starts, so that every thread inherits the signal mask and the affinity.
   tandem::services::BlockTerminationSignals();
   if (!cpus.empty()) {
@@ -77,6 +117,24 @@ int main(int argc, char** argv) {
   tandem::router::HttpFrontOptions http;
   http.enabled = http_port > 0;
   http.port = http_port;
+  // Before any server or channel exists: they all take the process's TLS settings.
+  if (absl::Status st = tandem::services::SetProcessTls(tls); !st.ok()) return Fail(st);
+  if (!api_keys.empty()) {
+    std::string secret;
+    if (!tenant_secret_file.empty()) {
+      std::ifstream in(tenant_secret_file, std::ios::binary);
+      if (!in) {
+        return Fail(absl::NotFoundError(
+            absl::StrCat("--tenant-secret-file ", tenant_secret_file, ": cannot read it")));
+      }
+      secret.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    auto auth = tandem::router::Authenticator::Load(api_keys, std::move(secret));
+    if (!auth.ok()) return Fail(auth.status());
+    o.auth = std::move(*auth);
+  } else if (!tenant_secret_file.empty()) {
+    return Fail(absl::InvalidArgumentError("--tenant-secret-file needs --api-keys"));
+  }
   auto server = tandem::router::RouterServer::Create(o, http);
   if (!server.ok()) return Fail(server.status());
   if (!port_file.empty()) {

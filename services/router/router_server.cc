@@ -22,14 +22,20 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
   s->registry_ = std::make_unique<WorkerRegistry>(ro);
   s->admission_ = std::make_unique<Admission>(o.max_inflight, o.max_queue);
   s->channels_ = std::make_unique<WorkerChannels>();
+  s->metrics_ = std::make_unique<services::Metrics>();
+  s->router_metrics_ =
+      std::make_unique<RouterMetrics>(s->metrics_.get(), s->model_->id(), o.autoscale);
+  s->metrics_->AddScrapeHook([raw = s.get()] { raw->RefreshMetrics(); });
   s->inference_ = std::make_unique<InferenceService>(s->model_.get(), s->registry_.get(),
-                                                     s->admission_.get(), s->channels_.get(), o);
+                                                     s->admission_.get(), s->channels_.get(), o,
+                                                     s->router_metrics_.get());
   s->registry_service_ = std::make_unique<RegistryService>(s->registry_.get());
 
   services::GrpcServerOptions so;
   so.host = o.host;
   so.port = o.port;
   so.services = {s->inference_.get(), s->registry_service_.get()};
+  so.max_message_bytes = o.max_message_bytes;
   TANDEM_ASSIGN_OR_RETURN(s->server_, services::GrpcServer::Start(so));
   s->sweeper_ = std::thread([raw = s.get()] { raw->SweepLoop(); });
   if (http.enabled) {
@@ -47,8 +53,19 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
     ho.port = http.port;
     ho.router_address = s->address();
     ho.verbose = o.verbose;
+    ho.auth = o.auth.get();
+    ho.max_body_bytes = static_cast<size_t>(o.max_message_bytes);
     ho.metrics_text = http.metrics_text;
+    if (!ho.metrics_text) {
+      ho.metrics_text = [m = s->metrics_.get()] { return m->Render(); };
+    }
     TANDEM_ASSIGN_OR_RETURN(s->http_, HttpServer::Start(ho, s->model_.get(), std::move(chat)));
+  }
+  if (o.metrics_port > 0) {
+    TANDEM_ASSIGN_OR_RETURN(
+        s->metrics_server_,
+        services::MetricsServer::Start(o.host, o.metrics_port, s->metrics_.get()));
+    Logf("metrics on %s", s->metrics_server_->url().c_str());
   }
   Logf("serving %s (%s, context %d, vocab %d) on %s:%d, policy %s, lease %lld ms",
        s->model_->id().c_str(), s->model_->config().arch_name.c_str(), s->model_->ctx_size(),
@@ -62,6 +79,17 @@ std::string RouterServer::address() const {
                                ? std::string("127.0.0.1")
                                : o_.host;
   return services::JoinHostPort(host, server_->port());
+}
+
+void RouterServer::RefreshMetrics() {
+  int prefill = 0, decode = 0;
+  for (const v1::WorkerInfo& w : registry_->List()) {
+    if (w.draining()) continue;
+    const bool both = w.role() == v1::WORKER_ROLE_BOTH;
+    if (both || w.role() == v1::WORKER_ROLE_PREFILL) prefill++;
+    if (both || w.role() == v1::WORKER_ROLE_DECODE) decode++;
+  }
+  router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode);
 }
 
 void RouterServer::SweepLoop() {
@@ -91,6 +119,7 @@ void RouterServer::Shutdown(absl::Duration grace) {
     if (http_ != nullptr) http_->Stop();
     server_->Shutdown(absl::ZeroDuration());
   }
+  metrics_server_.reset();  // its scrape hook reads the registry and admission
   stop_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
 }

@@ -3,7 +3,9 @@
 // bootstrap) that hosts the Inference and Registry services plus grpc.health.v1 and reflection. A
 // background thread expires worker leases. With HttpFrontOptions::enabled it also runs the
 // OpenAI-compatible HTTP front door (http_server.h), which sends completions to this router's own
-// gRPC endpoint over loopback, so both front doors share one code path.
+// gRPC endpoint over loopback, so both front doors share one code path. It records Prometheus
+// metrics (router_metrics.h) served on the HTTP front door's GET /metrics and, with
+// RouterOptions::metrics_port, on a /metrics endpoint of their own.
 //
 // Lifecycle: Create (listens and serves before it returns) -> Shutdown (health turns
 // NOT_SERVING, new requests are refused with UNAVAILABLE, running ones get `grace` to finish,
@@ -22,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "services/common/grpc_server.h"
+#include "services/common/metrics.h"
 #include "services/router/admission.h"
 #include "services/router/http_server.h"
 #include "services/router/router_model.h"
@@ -35,7 +38,7 @@ namespace tandem::router {
 struct HttpFrontOptions {
   bool enabled = false;
   int port = 0;                               // 0: any free port (see RouterServer::http_port())
-  std::function<std::string()> metrics_text;  // GET /metrics body when set
+  std::function<std::string()> metrics_text;  // GET /metrics body (default: the router's)
 };
 
 class RouterServer {
@@ -55,20 +58,27 @@ class RouterServer {
   WorkerRegistry& registry() { return *registry_; }
   const RouterModel& model() const { return *model_; }
   const InferenceService& inference() const { return *inference_; }
+  services::Metrics& metrics() { return *metrics_; }
+  RouterMetrics& router_metrics() { return *router_metrics_; }
+  int metrics_port() const { return metrics_server_ == nullptr ? 0 : metrics_server_->port(); }
 
  private:
   RouterServer() = default;
   void SweepLoop();
+  void RefreshMetrics();  // the scrape hook: gauges from admission and the registry
 
   RouterOptions o_;
   std::unique_ptr<RouterModel> model_;
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<WorkerChannels> channels_;
+  std::unique_ptr<services::Metrics> metrics_;
+  std::unique_ptr<RouterMetrics> router_metrics_;
   std::unique_ptr<InferenceService> inference_;
   std::unique_ptr<RegistryService> registry_service_;
   std::unique_ptr<services::GrpcServer> server_;
   std::unique_ptr<HttpServer> http_;  // after server_: destroyed (stopped) first
+  std::unique_ptr<services::MetricsServer> metrics_server_;  // reads all of the above
   absl::Notification stop_;
   std::thread sweeper_;
   bool shut_down_ = false;

@@ -6,9 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/util/status_util.h"
+#include "engine/kv/block_pool.h"
 #include "services/common/grpc_status.h"
 #include "services/common/sampling_convert.h"
 #include "services/router/log.h"
+#include "services/router/request_validation.h"
 
 namespace tandem::router {
 namespace {
@@ -87,9 +90,15 @@ struct InferenceService::Call {
   bool relayed_any = false;  // once true, nothing may be retried
   std::string prefill_worker, decode_worker, transport;
   double prefill_compute_s = 0, kv_transfer_s = 0;
+  uint64_t salt = 0;  // the tenant's KV salt (auth.h TenantSalt): namespaces prefix caching
   int32_t completion_tokens = 0;
   v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
   absl::Time first_token_at = absl::InfinitePast();
+  absl::Time last_token_at = absl::InfinitePast();
+  v1::TtftBreakdown ttft;  // as sent with the first token; repeated on the final message
+  double onboard_s = 0;    // the prefill worker's prefix onboarding time, and where from
+  std::string onboard_tier;
+  int32_t onboarded_tokens = 0;
 
   bool Cancelled() const { return ctx->IsCancelled(); }
   // Whether a failed hop should move on to another worker: the worker is down, full or slow,
@@ -104,60 +113,22 @@ struct InferenceService::Call {
 
 InferenceService::InferenceService(const RouterModel* model, WorkerRegistry* registry,
                                    Admission* admission, WorkerChannels* channels,
-                                   const RouterOptions& o)
+                                   const RouterOptions& o, RouterMetrics* metrics)
     : model_(model),
       registry_(registry),
       admission_(admission),
       channels_(channels),
+      metrics_(metrics),
       o_(o),
-      id_salt_(std::random_device{}()) {}
+      id_salt_(std::random_device{}()),
+      tenant_salt_(TenantSalt("", o.tenant)),
+      prefix_index_(o.prefix_index) {}
 
 absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const {
-  if (!model_->Matches(req.model())) {
-    return absl::NotFoundError(absl::StrCat(
-        "model '", req.model(), "' is not served here; this router serves '", model_->id(), "'"));
-  }
-  const int32_t vocab = model_->vocab_size();
-  switch (req.prompt_case()) {
-    case v1::GenerateRequest::kText:
-      out->prompt = model_->tokenizer().Encode(req.text(), /*add_special=*/true,
-                                               /*parse_special=*/true);
-      if (out->prompt.empty()) {
-        return absl::InvalidArgumentError("prompt.text is empty and the model adds no BOS token");
-      }
-      break;
-    case v1::GenerateRequest::kTokenIds: {
-      const auto& ids = req.token_ids().ids();
-      if (ids.empty()) return absl::InvalidArgumentError("prompt.token_ids is empty");
-      for (int i = 0; i < ids.size(); ++i) {
-        if (ids[i] < 0 || ids[i] >= vocab) {
-          return absl::InvalidArgumentError(absl::StrCat("prompt.token_ids[", i, "] = ", ids[i],
-                                                         " is outside the vocabulary [0, ", vocab,
-                                                         ")"));
-        }
-      }
-      out->prompt.assign(ids.begin(), ids.end());
-      break;
-    }
-    default:
-      return absl::InvalidArgumentError("prompt is required: set prompt.text or prompt.token_ids");
-  }
-  out->engine_sampling = services::SamplingFromProto(req.sampling());
-  if (absl::Status st = engine::ValidateSamplingParams(out->engine_sampling, vocab); !st.ok()) {
-    return Prefixed(st, "sampling.");
-  }
-  const int64_t n = static_cast<int64_t>(out->prompt.size());
-  const int64_t ctx = model_->ctx_size();
-  if (n >= ctx) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt has ", n, " tokens; the context holds ", ctx));
-  }
-  const int64_t need = n + out->engine_sampling.max_tokens;
-  if (need > ctx) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling.max_tokens: prompt (", n, " tokens) plus max_tokens (",
-                     out->engine_sampling.max_tokens, ") exceeds the context size ", ctx));
-  }
+  // The rules live in request_validation.h, shared with the fuzz targets.
+  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(req, *model_, RequestLimits{}, &out->prompt,
+                                                 &out->engine_sampling));
+  const int64_t need = static_cast<int64_t>(out->prompt.size()) + out->engine_sampling.max_tokens;
   out->sampling = services::SamplingToProto(out->engine_sampling);
   out->kv_blocks = (need + o_.kv_block_size - 1) / o_.kv_block_size;
   return absl::OkStatus();
@@ -187,7 +158,17 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   if (draining_) {
     return services::ToGrpcStatus(absl::UnavailableError("the router is shutting down"));
   }
+  uint64_t salt = tenant_salt_;
+  if (o_.auth != nullptr) {  // API key and the tenant's rate limit (auth.h)
+    absl::StatusOr<std::string> tenant = o_.auth->AuthorizeCall(ctx);
+    if (!tenant.ok()) {
+      failed_++;
+      return services::ToGrpcStatus(tenant.status());
+    }
+    salt = o_.auth->SaltFor(*tenant);
+  }
   Call c;
+  c.salt = salt;
   c.ctx = ctx;
   c.writer = writer;
   c.arrival = absl::Now();
@@ -211,11 +192,20 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       result = slot.status();
     } else {
       c.admitted = absl::Now();
+      if (metrics_ != nullptr) metrics_->RecordAdmitted(c.admitted - c.arrival);
       result = Route(c);
     }
   }
   ReleaseId(c.id);
   (result.ok() ? ok_ : failed_)++;
+  if (metrics_ != nullptr) {
+    const char* reason = result.ok() ? FinishReasonLabel(c.finish)
+                         : (ctx->IsCancelled() || result.code() == absl::StatusCode::kCancelled)
+                             ? "cancelled"
+                             : "error";
+    metrics_->RecordEnd(absl::Now() - c.arrival, reason, static_cast<int>(c.req.prompt.size()),
+                        c.completion_tokens);
+  }
   if (o_.verbose || !result.ok()) {
     Logf("%s prompt=%zu completion=%d prefill=%s decode=%s finish=%s %.1f ms: %s", c.id.c_str(),
          c.req.prompt.size(), c.completion_tokens, c.prefill_worker.c_str(),
@@ -300,8 +290,22 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   tried.clear();
   last = absl::UnavailableError("no prefill worker available");
   v1::PrefillResponse pr;
+  // KV-aware choice: the prompt's block hashes as the workers compute them (their block size,
+  // the tenant's salt), scored against the prefix index.
+  std::vector<uint64_t> hashes;
+  if (o_.policy == Policy::kKvAware) {
+    const int32_t bs = reserve.destination().block_size() > 0
+                           ? reserve.destination().block_size()
+                           : o_.kv_block_size;
+    hashes = engine::ComputeBlockHashes(c.req.prompt, bs, c.salt);
+  }
   while (true) {
-    Assignment p = registry_->Pick(Pool::kPrefill, 0, tried);
+    Assignment p = o_.policy == Policy::kKvAware
+                       ? registry_->PickScored(Pool::kPrefill, 0, tried,
+                                               [&](const std::string& id, double load) {
+                                                 return prefix_index_.Score({id, load}, hashes);
+                                               })
+                       : registry_->Pick(Pool::kPrefill, 0, tried);
     if (!p) {
       CancelOnDecode(d.address(), c.id);
       return last;
@@ -312,12 +316,17 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
     preq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
     *preq.mutable_sampling() = c.req.sampling;
     *preq.mutable_destination() = reserve.destination();
+    preq.set_salt(c.salt);
     auto cc = Child(*c.ctx, c.deadline);
     auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
     pr.Clear();
     const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
     if (gs.ok()) {
       c.prefill_worker = p.worker_id();
+      const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
+                                           pr.cached_block_hashes().size());
+      prefix_index_.RecordWorker(p.worker_id(), held);
+      if (pr.published_blocks() > 0 || pr.kvstore_tokens() > 0) prefix_index_.RecordStore(held);
       break;
     }
     const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
@@ -336,6 +345,12 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   c.prefill_compute_s = pr.compute_seconds();
   c.kv_transfer_s = pr.transfer_seconds();
   c.transport = pr.transport();
+  c.onboard_s = pr.onboard_seconds();
+  c.onboard_tier = pr.onboard_tier();
+  c.onboarded_tokens = pr.onboarded_tokens();
+  if (metrics_ != nullptr) {
+    metrics_->RecordPrefill(static_cast<int>(c.req.prompt.size()), pr.compute_seconds());
+  }
 
   // 3. Decode, relaying the stream.
   v1::DecodeRequest dreq;
@@ -344,6 +359,9 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   *dreq.mutable_sampling() = c.req.sampling;
   dreq.set_first_token_id(pr.first_token_id());
   *dreq.mutable_block_checksums() = pr.block_checksums();
+  // For the decode worker's kv_transfer_* series.
+  dreq.set_kv_transfer_bytes(pr.bytes_transferred());
+  dreq.set_kv_transfer_seconds(pr.transfer_seconds());
   const absl::Status st = RelayDecode(c, d, dreq);
   if (!st.ok() && !c.relayed_any && !c.Cancelled()) CancelOnDecode(d.address(), c.id);
   return st;
@@ -392,14 +410,41 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
       if (t->kv_transfer() == 0) t->set_kv_transfer(c.kv_transfer_s);
       if (t->first_decode_step() == 0) t->set_first_decode_step(absl::ToDoubleSeconds(now - sent));
       t->set_total(absl::ToDoubleSeconds(now - c.arrival));
+      // Per-tier prefix onboarding is always present (zeros until a prefix is onboarded). The
+      // prefill worker names the slowest tier its blocks came from; its own cache ("local") is
+      // device memory.
+      v1::PrefixOnboarding& tiers = *t->mutable_prefix_onboarding_tiers();
+      if (c.onboard_s > 0 && tiers.device() + tiers.host() + tiers.ssd() == 0) {
+        if (c.onboard_tier == "ssd") {
+          tiers.set_ssd(c.onboard_s);
+        } else if (c.onboard_tier == "host") {
+          tiers.set_host(c.onboard_s);
+        } else {
+          tiers.set_device(c.onboard_s);
+        }
+      }
+      if (t->prefix_onboarding() == 0) {
+        t->set_prefix_onboarding(tiers.device() + tiers.host() + tiers.ssd());
+      }
+      c.ttft = *t;
+      if (metrics_ != nullptr) metrics_->RecordFirstToken(now, now - c.arrival, *t);
+      if (msg.token_ids_size() > 0) c.last_token_at = now;
+    } else if (msg.token_ids_size() > 0) {
+      const absl::Time now = absl::Now();
+      if (metrics_ != nullptr && c.last_token_at != absl::InfinitePast()) {
+        metrics_->RecordInterToken(now, now - c.last_token_at);
+      }
+      c.last_token_at = now;
     }
     c.completion_tokens += msg.token_ids_size();
     if (msg.finished()) {
       finished = true;
+      *msg.mutable_ttft() = c.ttft;
       c.finish = msg.finish_reason();
       v1::Usage* u = msg.mutable_usage();
       if (u->prompt_tokens() == 0) u->set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
       if (u->completion_tokens() == 0) u->set_completion_tokens(c.completion_tokens);
+      if (u->cached_prompt_tokens() == 0) u->set_cached_prompt_tokens(c.onboarded_tokens);
     }
     if (!c.writer->Write(msg)) {
       client_gone = true;
@@ -452,8 +497,13 @@ void InferenceService::CancelOnPrefill(const std::string& address, const std::st
   }
 }
 
-grpc::Status InferenceService::Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* req,
+grpc::Status InferenceService::Tokenize(grpc::ServerContext* ctx, const v1::TokenizeRequest* req,
                                         v1::TokenizeResponse* resp) {
+  if (o_.auth != nullptr) {
+    if (auto tenant = o_.auth->AuthorizeCall(ctx, /*count_rate=*/false); !tenant.ok()) {
+      return services::ToGrpcStatus(tenant.status());
+    }
+  }
   if (!model_->Matches(req->model())) {
     return services::ToGrpcStatus(absl::NotFoundError(absl::StrCat(
         "model '", req->model(), "' is not served here; this router serves '", model_->id(), "'")));
@@ -464,8 +514,13 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext*, const v1::Tokenize
   return grpc::Status::OK;
 }
 
-grpc::Status InferenceService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+grpc::Status InferenceService::ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest*,
                                           v1::ListModelsResponse* resp) {
+  if (o_.auth != nullptr) {
+    if (auto tenant = o_.auth->AuthorizeCall(ctx, /*count_rate=*/false); !tenant.ok()) {
+      return services::ToGrpcStatus(tenant.status());
+    }
+  }
   v1::ModelInfo* m = resp->add_models();
   m->set_id(model_->id());
   m->set_architecture(model_->config().arch_name);

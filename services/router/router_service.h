@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,10 @@
 #include "absl/time/time.h"
 #include "engine/sampling/sampler.h"
 #include "services/router/admission.h"
+#include "services/router/auth.h"
+#include "services/router/autoscale.h"
+#include "services/router/router_metrics.h"
+#include "services/router/prefix_index.h"
 #include "services/router/router_model.h"
 #include "services/router/worker_channels.h"
 #include "services/router/worker_registry.h"
@@ -60,6 +65,19 @@ struct RouterOptions {
   int kv_block_size = 16;  // the workers' block size, for load accounting only
   Policy policy = Policy::kLeastLoad;
   bool verbose = false;  // a log line per request
+  // API keys, tenants and rate limits (auth.h); null: no keys needed, every request is tenant
+  // "". Shared with the HTTP front door.
+  std::shared_ptr<Authenticator> auth;
+  int max_message_bytes = 16 << 20;  // gRPC messages larger are refused (RESOURCE_EXHAUSTED)
+  // Prometheus /metrics on its own port, like the workers' --metrics-port (0: none; the HTTP
+  // front door serves /metrics too). SLO targets and capacities of the replica recommendation.
+  int metrics_port = 0;
+  AutoscaleOptions autoscale;
+  // The tenant requests are served as when there is no authenticator (with one, the tenant of
+  // the caller's key); its salt (auth.h TenantSalt) namespaces prefix caching, so tenants never
+  // share KV blocks. "" is the unsalted namespace.
+  std::string tenant;
+  PrefixIndexOptions prefix_index;  // used by Policy::kKvAware
 };
 
 // INVALID_ARGUMENT naming the first bad field.
@@ -75,8 +93,10 @@ struct PreparedRequest {
 
 class InferenceService final : public v1::Inference::Service {
  public:
+  // `metrics` (may be null: nothing recorded) must outlive the service.
   InferenceService(const RouterModel* model, WorkerRegistry* registry, Admission* admission,
-                   WorkerChannels* channels, const RouterOptions& o);
+                   WorkerChannels* channels, const RouterOptions& o,
+                   RouterMetrics* metrics = nullptr);
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -95,6 +115,7 @@ class InferenceService final : public v1::Inference::Service {
   // those already running continue; active() counts the running ones.
   void StartDraining() { draining_ = true; }
   int active() const { return active_.load(); }
+  const PrefixIndex& prefix_index() const { return prefix_index_; }
 
  private:
   struct Call;  // one Generate in progress
@@ -112,8 +133,11 @@ class InferenceService final : public v1::Inference::Service {
   WorkerRegistry* registry_;
   Admission* admission_;
   WorkerChannels* channels_;
+  RouterMetrics* metrics_;
   const RouterOptions o_;
   const uint64_t id_salt_;
+  const uint64_t tenant_salt_;
+  PrefixIndex prefix_index_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> ok_{0};
   std::atomic<uint64_t> failed_{0};

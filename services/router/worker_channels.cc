@@ -1,5 +1,7 @@
 #include "services/router/worker_channels.h"
 
+#include "services/common/tls.h"
+
 namespace tandem::router {
 
 std::shared_ptr<grpc::Channel> WorkerChannels::Get(const std::string& address) {
@@ -12,7 +14,7 @@ std::shared_ptr<grpc::Channel> WorkerChannels::Get(const std::string& address) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    ch = services::CreateClientChannel(address, args);  // TLS when the process has it (tls.h)
   }
   return ch;
 }

@@ -36,14 +36,26 @@ absl::Status ParsePolicy(const std::string& name, Policy* out) {
     *out = Policy::kLeastLoad;
   } else if (name == "round-robin") {
     *out = Policy::kRoundRobin;
+  } else if (name == "kv-aware") {
+    *out = Policy::kKvAware;
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("policy must be least-load or round-robin, got '", name, "'"));
+        absl::StrCat("policy must be least-load, round-robin or kv-aware, got '", name, "'"));
   }
   return absl::OkStatus();
 }
 
-const char* PolicyName(Policy p) { return p == Policy::kLeastLoad ? "least-load" : "round-robin"; }
+const char* PolicyName(Policy p) {
+  switch (p) {
+    case Policy::kLeastLoad:
+      return "least-load";
+    case Policy::kRoundRobin:
+      return "round-robin";
+    case Policy::kKvAware:
+      return "kv-aware";
+  }
+  return "least-load";
+}
 
 Assignment& Assignment::operator=(Assignment&& o) noexcept {
   if (this != &o) {
@@ -187,8 +199,12 @@ Assignment WorkerRegistry::Pick(Pool pool, int64_t kv_blocks,
       best_key = key;
     }
   }
+  if (best == nullptr) return Assignment();
+  return AssignLocked(best, kv_pool, kv_blocks);
+}
+
+Assignment WorkerRegistry::AssignLocked(Worker* best, bool kv_pool, int64_t kv_blocks) {
   Assignment a;
-  if (best == nullptr) return a;
   best->inflight++;
   best->routed++;
   best->last_pick = ++pick_seq_;
@@ -199,6 +215,28 @@ Assignment WorkerRegistry::Pick(Pool pool, int64_t kv_blocks,
   a.role_ = best->reg.role();
   a.generation_ = best->generation;
   return a;
+}
+
+Assignment WorkerRegistry::PickScored(
+    Pool pool, int64_t kv_blocks, const absl::flat_hash_set<std::string>& exclude,
+    const std::function<double(const std::string&, double)>& score) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  Worker* best = nullptr;
+  double best_score = 0;
+  for (auto& [id, w] : workers_) {
+    if (!Eligible(w, pool, now) || exclude.contains(id)) continue;
+    const double load =
+        w.inflight + (w.have_stats ? w.stats.running() + w.stats.waiting() : 0);
+    const double s = score(id, load);
+    if (best == nullptr || s > best_score ||
+        (s == best_score && w.last_pick < best->last_pick)) {
+      best = &w;
+      best_score = s;
+    }
+  }
+  if (best == nullptr) return Assignment();
+  return AssignLocked(best, pool != Pool::kPrefill, kv_blocks);
 }
 
 void WorkerRegistry::Unassign(const std::string& id, uint64_t generation) {

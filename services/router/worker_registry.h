@@ -15,6 +15,8 @@
 //   least recently picked; prefill -> fewest requests in flight, then least reported
 //   running + waiting, then least recently picked.
 // - kRoundRobin: least recently picked among the eligible (i.e. a rotation).
+// - kKvAware: decode as kLeastLoad; prefill through PickScored with the router's prefix index
+//   (services/router/prefix_index.h); plain Pick of a prefill worker is kLeastLoad.
 // Only workers of the exact role are candidates for a pool; colocated (BOTH) workers form their
 // own pool, used when either disaggregated pool is empty (see Plan()).
 //
@@ -38,9 +40,9 @@
 
 namespace tandem::router {
 
-enum class Policy { kLeastLoad, kRoundRobin };
+enum class Policy { kLeastLoad, kRoundRobin, kKvAware };
 
-// "least-load" / "round-robin"; INVALID_ARGUMENT otherwise.
+// "least-load" / "round-robin" / "kv-aware"; INVALID_ARGUMENT otherwise.
 absl::Status ParsePolicy(const std::string& name, Policy* out);
 const char* PolicyName(Policy p);
 
@@ -109,6 +111,13 @@ class WorkerRegistry {
   Assignment Pick(Pool pool, int64_t kv_blocks,
                   const absl::flat_hash_set<std::string>& exclude = {});
 
+  // Like Pick, but the eligible worker with the highest score(worker_id, load) wins, where load
+  // is the router's in-flight count plus the reported running + waiting; ties go to the least
+  // recently picked. `score` runs under the registry's lock: it must not call back into it.
+  Assignment PickScored(Pool pool, int64_t kv_blocks,
+                        const absl::flat_hash_set<std::string>& exclude,
+                        const std::function<double(const std::string&, double)>& score);
+
   std::vector<v1::WorkerInfo> List() const;  // sorted by id
   size_t size() const;
   const RegistryOptions& options() const { return o_; }
@@ -131,6 +140,8 @@ class WorkerRegistry {
   absl::Time Now() const { return o_.clock ? o_.clock() : absl::Now(); }
   bool Eligible(const Worker& w, Pool pool, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Unassign(const std::string& id, uint64_t generation);
+  Assignment AssignLocked(Worker* w, bool kv_pool, int64_t kv_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RegistryOptions o_;
   mutable absl::Mutex mu_;

@@ -9,6 +9,7 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "services/common/sampling_convert.h"
+#include "services/common/tls.h"
 #include "tandem/v1/inference.grpc.pb.h"
 
 namespace tandem::tools {
@@ -48,7 +49,8 @@ double Percentile(std::vector<double> v, double q) {
 absl::Status RunClient(const ClientOptions& o) {
   if (o.router.empty()) return absl::InvalidArgumentError("--router is required");
   const auto t_start = Clock::now();
-  auto channel = grpc::CreateChannel(o.router, grpc::InsecureChannelCredentials());
+  // TLS when `tandem` was given --tls-* (services/common/tls.h).
+  auto channel = services::CreateClientChannel(o.router);
   auto stub = v1::Inference::NewStub(channel);
 
   v1::GenerateRequest req;
@@ -57,6 +59,7 @@ absl::Status RunClient(const ClientOptions& o) {
   req.set_request_id(o.request_id);
   *req.mutable_sampling() = services::SamplingToProto(o.sampling);
   grpc::ClientContext cc;
+  if (!o.api_key.empty()) cc.AddMetadata("authorization", "Bearer " + o.api_key);
   if (o.timeout_ms > 0) {
     cc.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(o.timeout_ms));
   }

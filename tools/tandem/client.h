@@ -25,6 +25,7 @@ struct ClientOptions {
   engine::SamplingParams sampling;  // every field is sent, so defaults match generate's
   int64_t timeout_ms = 600000;      // the call's deadline; 0: none
   bool json = false;
+  std::string api_key;  // sent as `authorization: Bearer KEY` when not empty
 };
 
 absl::Status RunClient(const ClientOptions& o);

@@ -25,6 +25,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "services/common/tls.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::tools {
@@ -314,7 +315,7 @@ absl::StatusOr<int> WaitForPortFile(const State& s, const Proc& p, absl::Time de
 absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& router,
                                                         absl::Duration timeout) {
   auto stub =
-      v1::Registry::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+      v1::Registry::NewStub(services::CreateClientChannel(router));
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   v1::ListWorkersResponse resp;
@@ -328,7 +329,7 @@ absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& route
 
 // Asks the worker itself: heartbeat copies in the registry can be a lease period old.
 void RefreshStats(v1::WorkerInfo* w) {
-  auto channel = grpc::CreateChannel(w->address(), grpc::InsecureChannelCredentials());
+  auto channel = services::CreateClientChannel(w->address());
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   v1::WorkerStats stats;
@@ -482,7 +483,7 @@ absl::Status CheckBinaries(const State& s, const std::vector<std::string>& roles
 }  // namespace
 
 absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::GenericStub stub(services::CreateClientChannel(address));
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::CompletionQueue cq;
@@ -557,6 +558,7 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   s.kv_blocks = o.kv_blocks;
   s.max_seqs = o.max_seqs;
   s.worker_args = o.worker_args;
+  for (const std::string& a : services::TlsFlagArgs(o.tls)) s.worker_args.push_back(a);
   std::vector<std::string> roles = {"router"};
   if (o.prefill > 0) roles.push_back("prefill");
   if (o.decode + o.colocated > 0) roles.push_back("decode");
@@ -590,6 +592,7 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   if (o.ctx_size > 0)
     router.args.insert(router.args.end(), {"--ctx-size", std::to_string(o.ctx_size)});
   router.args.insert(router.args.end(), o.router_args.begin(), o.router_args.end());
+  for (const std::string& a : services::TlsFlagArgs(o.tls)) router.args.push_back(a);
   if (s.pin) router.cpus = TakeCpus(s, 1);
   fs::remove(PortPath(s, "router"), ec);
   absl::StatusOr<pid_t> pid = Spawn(s, router);

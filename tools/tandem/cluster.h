@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "services/common/tls.h"
 
 namespace tandem::tools {
 
@@ -49,6 +50,9 @@ struct ClusterUpOptions {
   int max_seqs = 0;                      // decode batch size; 0: the worker's default
   std::vector<std::string> router_args;  // extra flags, passed verbatim
   std::vector<std::string> worker_args;
+  // --tls-* for every process of the cluster (and this tool's own health checks): appended to
+  // router_args and worker_args.
+  services::TlsOptions tls;
   std::string bin_dir;  // empty: the folder of the running tandem binary
   absl::Duration ready_timeout = absl::Seconds(60);
 };

@@ -8,7 +8,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tools/tandem/bench.h"
 #include "tools/tandem/client.h"
+#include "services/common/tls.h"
 #include "tools/tandem/cluster.h"
 #include "tools/tandem/generate.h"
 #include "tools/tandem/model_tools.h"
@@ -139,8 +141,14 @@ int main(int argc, char** argv) {
   cu->add_option("--worker-arg", up.worker_args, "Extra worker flag (repeatable)");
   cu->add_option("--bin-dir", up.bin_dir, "Folder of the service binaries (default: tandem's)");
   cu->add_option("--timeout-ms", up_timeout_ms, "How long to wait for readiness");
+  tandem::services::AddTlsFlags(*cu, &up.tls);
   cu->callback([&] {
     up.ready_timeout = absl::Milliseconds(up_timeout_ms);
+    // This tool's own readiness checks speak to the cluster as its processes do.
+    if (absl::Status st = tandem::services::SetProcessTls(up.tls); !st.ok()) {
+      rc = Report(st);
+      return;
+    }
     rc = Report(tandem::tools::ClusterUp(up));
   });
   std::string cl_dir, cl_name, cl_role;
@@ -197,7 +205,57 @@ int main(int argc, char** argv) {
   c->add_flag("--ignore-eos", cli.sampling.ignore_eos);
   c->add_option("--timeout-ms", cli.timeout_ms, "Request deadline (0: none)");
   c->add_flag("--json", cli.json, "Print token ids, text and timings as JSON");
-  c->callback([&] { rc = Report(tandem::tools::RunClient(cli)); });
+  c->add_option("--api-key", cli.api_key, "API key of a router run with --api-keys");
+  tandem::services::TlsOptions client_tls;
+  tandem::services::AddTlsFlags(*c, &client_tls);
+  c->callback([&] {
+    if (absl::Status st = tandem::services::SetProcessTls(client_tls); !st.ok()) {
+      rc = Report(st);
+      return;
+    }
+    rc = Report(tandem::tools::RunClient(cli));
+  });
+
+  // bench
+  tandem::tools::BenchOptions bo;
+  std::string bench_rates;
+  auto* b = app.add_subcommand("bench", "Load-generate against a router; JSON results, PNG plots");
+  b->add_option("--router", bo.router, "Router host:port")->required();
+  b->add_option("--model", bo.model, "Model id (default: the router's)");
+  b->add_option("--num-requests", bo.num_requests, "Requests per run");
+  b->add_option("--out", bo.out_json, "Write JSON results here");
+  b->add_option("--plot", bo.plot_png, "Write PNG plots here (needs gnuplot)");
+  b->add_option("--concurrency", bo.concurrency,
+                "Closed loop: clients in flight (open loop: cap on requests in flight)");
+  b->add_option("--request-rate", bench_rates,
+                "Open loop: requests/s; a comma list runs once per rate (latency against load)");
+  b->add_option("--arrival", bo.arrival, "Open-loop arrivals: poisson, constant or burst");
+  b->add_option("--burst-size", bo.burst_size, "Requests per burst (--arrival burst)");
+  b->add_option("--workload", bo.workload, "random, shared-prefix or multi-turn");
+  b->add_option("--input-len", bo.input_len, "Fresh prompt tokens per request (per turn)");
+  b->add_option("--output-len", bo.output_len, "Tokens generated per request");
+  b->add_option("--prefix-len", bo.prefix_len, "Shared prefix tokens (shared-prefix)");
+  b->add_option("--turns", bo.turns, "Turns per conversation (multi-turn)");
+  b->add_option("--slo", bo.slo, "SLOs for goodput, e.g. ttft:500,tpot:50 (ms; also e2e)");
+  b->add_option("--seed", bo.seed, "Workload and arrival seed");
+  b->add_option("--timeout-ms", bo.timeout_ms, "Per-request deadline (0: none)");
+  b->add_flag("--quiet", bo.quiet, "No progress output");
+  b->add_option("--api-key", bo.api_key, "API key of a router run with --api-keys");
+  tandem::services::TlsOptions bench_tls;
+  tandem::services::AddTlsFlags(*b, &bench_tls);
+  b->callback([&] {
+    if (absl::Status st = tandem::services::SetProcessTls(bench_tls); !st.ok()) {
+      rc = Report(st);
+      return;
+    }
+    if (!bench_rates.empty()) {
+      if (absl::Status st = tandem::tools::ParseRates(bench_rates, &bo.request_rates); !st.ok()) {
+        rc = Report(st);
+        return;
+      }
+    }
+    rc = Report(tandem::tools::RunBench(bo));
+  });
 
   try {
     app.parse(argc, argv);

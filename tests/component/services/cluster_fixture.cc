@@ -107,6 +107,9 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   p.worker_id = "prefill-0";
   p.transport = prefill_transport.get();
   p.before_step = o.prefill_before_step;
+  p.prefix_cache = o.prefill_prefix_cache;
+  p.kvstore.address = o.kvstore_address;
+  p.kvstore.read_timeout = o.kvstore_read_timeout;
   auto pw = prefill::PrefillWorker::Create(p);
   EXPECT_TRUE(pw.ok()) << pw.status();
   prefill = std::move(*pw);
@@ -180,7 +183,7 @@ Generated TestCluster::Decode(const v1::DecodeRequest& req) {
 }
 
 Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t>& prompt,
-                                const engine::SamplingParams& sp) {
+                                const engine::SamplingParams& sp, uint64_t salt) {
   Generated g;
   absl::StatusOr<v1::ReserveResponse> r =
       Reserve(id, static_cast<int>(prompt.size()), sp.max_tokens);
@@ -194,6 +197,7 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   for (int32_t t : prompt) pr.add_prompt_token_ids(t);
   *pr.mutable_sampling() = services::SamplingToProto(sp);
   *pr.mutable_destination() = r->destination();
+  pr.set_salt(salt);
   v1::PrefillResponse presp;
   grpc::Status st = Prefill(pr, &presp);
   if (!st.ok()) {

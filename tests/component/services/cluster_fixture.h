@@ -50,6 +50,10 @@ struct ClusterOptions {
   int prefill_max_batch_tokens = 24;  // small: forces chunked prefill
   std::function<void()> before_step;  // decode engine-loop hook
   std::function<void()> prefill_before_step;
+  bool prefill_prefix_cache = true;
+  // tandem-kvstore for the prefill worker to onboard from and publish to (empty: none).
+  std::string kvstore_address;
+  absl::Duration kvstore_read_timeout = absl::Seconds(5);
 };
 
 class TestCluster {
@@ -64,7 +68,7 @@ class TestCluster {
   Generated Decode(const v1::DecodeRequest& req);
   // Reserve -> Prefill -> Decode, as the router does.
   Generated Generate(const std::string& id, const std::vector<int32_t>& prompt,
-                     const engine::SamplingParams& sp);
+                     const engine::SamplingParams& sp, uint64_t salt = 0);
 
   v1::WorkerStats DecodeStats();
   v1::WorkerStats PrefillStats();

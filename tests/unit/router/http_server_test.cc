@@ -533,7 +533,14 @@ TEST_F(HttpServerTest, ModelsHealthTokenizeDetokenize) {
   ExpectError(c.Get("/v1/models/other"), 404, "model");
 
   EXPECT_EQ(c.Get("/health")->status, 200);
-  ExpectError(c.Get("/metrics"), 404);  // no metrics source given
+  // The router's own Prometheus series (router_metrics_test checks them in detail).
+  httplib::Result metrics = c.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_NE(metrics->body.find("tandem:time_to_first_token_seconds_count{model_name=\"tiny\","
+                               "role=\"router\"}"),
+            std::string::npos)
+      << metrics->body;
 
   httplib::Result t = Post("/tokenize", R"({"prompt": "hello world"})");
   ASSERT_TRUE(t);

@@ -1,0 +1,148 @@
+#include "services/router/router_metrics.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::router {
+namespace {
+
+double Seconds(absl::Duration d) { return std::max(0.0, absl::ToDoubleSeconds(d)); }
+
+}  // namespace
+
+const char* FinishReasonLabel(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    default:
+      return "error";
+  }
+}
+
+RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& model_name,
+                             const AutoscaleOptions& autoscale)
+    : metrics_(metrics),
+      serving_(metrics->Serving(model_name, "router")),
+      autoscale_(autoscale),
+      started_(absl::Now()),
+      ttft_(autoscale.window),
+      itl_(autoscale.window),
+      prompt_tokens_(autoscale.window),
+      output_tokens_(autoscale.window),
+      prefill_tokens_(autoscale.window),
+      prefill_seconds_(autoscale.window) {
+  auto& breakdown = prometheus::BuildHistogram()
+                        .Name(absl::StrCat(services::kMetricPrefix, "ttft_breakdown_seconds"))
+                        .Help("Where the router's time to first token went, by stage.")
+                        .Register(metrics_->registry());
+  for (size_t i = 0; i < kTtftStages.size(); ++i) {
+    stages_[i] =
+        &breakdown.Add({{"model_name", model_name}, {"role", "router"}, {"stage", kTtftStages[i]}},
+                       services::TtftBuckets());
+  }
+  auto& replicas = prometheus::BuildGauge()
+                       .Name(absl::StrCat(services::kMetricPrefix, "recommended_replicas"))
+                       .Help(
+                           "Workers each pool should have to meet the TTFT and ITL targets (see "
+                           "docs/cluster.md).")
+                       .Register(metrics_->registry());
+  recommended_prefill_ = &replicas.Add({{"model_name", model_name}, {"role", "prefill"}});
+  recommended_decode_ = &replicas.Add({{"model_name", model_name}, {"role", "decode"}});
+}
+
+void RouterMetrics::RecordAdmitted(absl::Duration queue) {
+  serving_.request_queue_time.Observe(Seconds(queue));
+}
+
+void RouterMetrics::RecordPrefill(int prompt_tokens, double compute_seconds) {
+  if (prompt_tokens <= 0 || compute_seconds <= 0) return;
+  const absl::Time now = absl::Now();
+  absl::MutexLock l(&mu_);
+  prefill_tokens_.Add(now, prompt_tokens);
+  prefill_seconds_.Add(now, compute_seconds);
+}
+
+void RouterMetrics::RecordFirstToken(absl::Time at, absl::Duration ttft,
+                                     const v1::TtftBreakdown& b) {
+  serving_.time_to_first_token.Observe(Seconds(ttft));
+  const double values[kTtftStages.size()] = {b.queue(),
+                                             b.prefill_compute(),
+                                             b.kv_transfer(),
+                                             b.prefix_onboarding_tiers().device(),
+                                             b.prefix_onboarding_tiers().host(),
+                                             b.prefix_onboarding_tiers().ssd(),
+                                             b.first_decode_step()};
+  for (size_t i = 0; i < kTtftStages.size(); ++i) stages_[i]->Observe(std::max(0.0, values[i]));
+  absl::MutexLock l(&mu_);
+  ttft_.Add(at, Seconds(ttft));
+}
+
+void RouterMetrics::RecordInterToken(absl::Time at, absl::Duration gap) {
+  serving_.inter_token_latency.Observe(Seconds(gap));
+  absl::MutexLock l(&mu_);
+  itl_.Add(at, Seconds(gap));
+}
+
+void RouterMetrics::RecordEnd(absl::Duration e2e, const std::string& finished_reason,
+                              int prompt_tokens, int completion_tokens) {
+  serving_.e2e_request_latency.Observe(Seconds(e2e));
+  serving_.RequestSuccess(finished_reason).Increment();
+  const absl::Time now = absl::Now();
+  absl::MutexLock l(&mu_);
+  prompt_tokens_.Add(now, std::max(prompt_tokens, 0));
+  output_tokens_.Add(now, std::max(completion_tokens, 0));
+}
+
+void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int decode_workers) {
+  serving_.num_requests_running.Set(running);
+  serving_.num_requests_waiting.Set(waiting);
+  const absl::Time now = absl::Now();
+  AutoscaleInputs in;
+  in.current_prefill = prefill_workers;
+  in.current_decode = decode_workers;
+  Recommendation r;
+  {
+    absl::MutexLock l(&mu_);
+    for (SampleWindow* w :
+         {&ttft_, &itl_, &prompt_tokens_, &output_tokens_, &prefill_tokens_, &prefill_seconds_}) {
+      w->Expire(now);
+    }
+    std::vector<double> v = ttft_.Values();
+    in.p90_ttft_s = Percentile(v, 0.9);
+    v = itl_.Values();
+    in.p90_itl_s = Percentile(v, 0.9);
+    // Rates over the window, or over the router's life while that is shorter.
+    const double span =
+        std::max(1.0, absl::ToDoubleSeconds(std::min(autoscale_.window, now - started_)));
+    in.prompt_tokens_per_s = prompt_tokens_.Sum() / span;
+    in.output_tokens_per_s = output_tokens_.Sum() / span;
+    const double busy = prefill_seconds_.Sum();
+    in.prefill_capacity_tps = autoscale_.prefill_capacity_tps > 0 ? autoscale_.prefill_capacity_tps
+                              : busy > 0                          ? prefill_tokens_.Sum() / busy
+                                                                  : 0;
+    in.decode_capacity_tps = autoscale_.decode_capacity_tps;
+    r = Recommend(in, autoscale_);
+    last_ = r;
+    last_inputs_ = in;
+  }
+  recommended_prefill_->Set(r.prefill);
+  recommended_decode_->Set(r.decode);
+}
+
+Recommendation RouterMetrics::last_recommendation() const {
+  absl::MutexLock l(&mu_);
+  return last_;
+}
+
+AutoscaleInputs RouterMetrics::last_inputs() const {
+  absl::MutexLock l(&mu_);
+  return last_inputs_;
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,87 @@
+// RouterMetrics: what the router records about the requests it serves, as Prometheus series
+// labelled role="router" (the DESIGN.md families), plus two router-only families:
+//   tandem:ttft_breakdown_seconds{model_name,role="router",stage}  histogram, one series per
+//     stage: queue, prefill_compute, kv_transfer, prefix_onboarding_device,
+//     prefix_onboarding_host, prefix_onboarding_ssd, first_decode_step;
+//   tandem:recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
+//     rule over the last AutoscaleOptions::window of observations.
+// Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
+// gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
+// outcome; queue time arrival -> admission; running/waiting are admission's counts;
+// request_success_total counts every admitted-or-refused request that passed validation, by
+// finish reason ("error" for a failure status, "cancelled" when the client went away).
+//
+// Threading: every method is thread-safe (gRPC threads record, the scrape thread refreshes).
+// Ownership: borrows the services::Metrics, which must outlive it.
+#pragma once
+
+#include <array>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "services/common/metrics.h"
+#include "services/router/autoscale.h"
+#include "tandem/v1/inference.pb.h"
+
+namespace tandem::router {
+
+// The stage label values of tandem:ttft_breakdown_seconds, in the order a request meets them.
+inline constexpr std::array<const char*, 7> kTtftStages = {"queue",
+                                                           "prefill_compute",
+                                                           "kv_transfer",
+                                                           "prefix_onboarding_device",
+                                                           "prefix_onboarding_host",
+                                                           "prefix_onboarding_ssd",
+                                                           "first_decode_step"};
+
+class RouterMetrics {
+ public:
+  RouterMetrics(services::Metrics* metrics, const std::string& model_name,
+                const AutoscaleOptions& autoscale);
+
+  // A request was admitted after waiting `queue`.
+  void RecordAdmitted(absl::Duration queue);
+  // A prefill worker reported its compute time for `prompt_tokens` tokens.
+  void RecordPrefill(int prompt_tokens, double compute_seconds);
+  // The first token reached the client: `ttft` since arrival, split as `b`.
+  void RecordFirstToken(absl::Time at, absl::Duration ttft, const v1::TtftBreakdown& b);
+  // A later token message reached the client `gap` after the previous one.
+  void RecordInterToken(absl::Time at, absl::Duration gap);
+  // The call ended. finished_reason: one of services::kFinishReasons.
+  void RecordEnd(absl::Duration e2e, const std::string& finished_reason, int prompt_tokens,
+                 int completion_tokens);
+
+  // Refreshes the gauges (running, waiting, recommended replicas); called before each scrape.
+  // Counts are non-draining workers per pool (colocated in both).
+  void Refresh(int running, int waiting, int prefill_workers, int decode_workers);
+
+  // What the last Refresh computed (for tests and logs).
+  Recommendation last_recommendation() const;
+  AutoscaleInputs last_inputs() const;
+
+ private:
+  services::Metrics* metrics_;
+  services::ServingMetrics& serving_;
+  std::array<prometheus::Histogram*, kTtftStages.size()> stages_{};
+  prometheus::Gauge* recommended_prefill_ = nullptr;
+  prometheus::Gauge* recommended_decode_ = nullptr;
+  const AutoscaleOptions autoscale_;
+  const absl::Time started_;
+
+  mutable absl::Mutex mu_;
+  SampleWindow ttft_ ABSL_GUARDED_BY(mu_);
+  SampleWindow itl_ ABSL_GUARDED_BY(mu_);
+  SampleWindow prompt_tokens_ ABSL_GUARDED_BY(mu_);   // by the request's end
+  SampleWindow output_tokens_ ABSL_GUARDED_BY(mu_);   // by the request's end
+  SampleWindow prefill_tokens_ ABSL_GUARDED_BY(mu_);  // tokens prefilled, by report time
+  SampleWindow prefill_seconds_ ABSL_GUARDED_BY(mu_);
+  Recommendation last_ ABSL_GUARDED_BY(mu_);
+  AutoscaleInputs last_inputs_ ABSL_GUARDED_BY(mu_);
+};
+
+// A finish reason as request_success_total names it.
+const char* FinishReasonLabel(v1::FinishReason r);
+
+}  // namespace tandem::router

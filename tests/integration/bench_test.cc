@@ -1,0 +1,178 @@
+// `tandem bench` against a real local cluster (`tandem cluster up` on stories260K, 1 prefill +
+// 1 decode worker): a closed-loop run and an open-loop sweep of two rates. Checks the JSON
+// results are complete and sane (every request succeeded, latencies ordered and positive,
+// throughput consistent with the token counts), that the PNG exists with the PNG signature,
+// and that the router's /metrics (its HTTP port) counted the requests with role="router".
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/unit/services/metrics_scrape.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const fs::path kModel = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K" / "stories260K.gguf";
+const std::string kBin = TANDEM_BIN_DIR;
+
+std::string Quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs `tandem ARGS`; returns the exit code, stdout+stderr in *out.
+int Tandem(const std::string& args, std::string* out, int timeout_s = 60) {
+  const fs::path log =
+      fs::temp_directory_path() / absl::StrCat("tandem-bench-test-", getpid(), ".log");
+  const int st = std::system(absl::StrCat("timeout -k 5 ", timeout_s, " ", kBin, "/tandem ", args,
+                                          " >", Quote(log.string()), " 2>&1")
+                                 .c_str());
+  *out = Slurp(log);
+  fs::remove(log);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+bool IsPng(const fs::path& p) {
+  const std::string head = Slurp(p).substr(0, 8);
+  return head == std::string("\x89PNG\r\n\x1a\n", 8);
+}
+
+void ExpectSaneRun(const json& run, int requests, int output_len) {
+  EXPECT_EQ(run["completed"].get<int>(), requests) << run["errors"].dump();
+  EXPECT_EQ(run["failed"].get<int>(), 0);
+  EXPECT_EQ(run["total_output_tokens"].get<int>(), requests * output_len);
+  EXPECT_GT(run["duration_s"].get<double>(), 0);
+  EXPECT_NEAR(run["request_throughput"].get<double>(), requests / run["duration_s"].get<double>(),
+              1e-6);
+  EXPECT_GT(run["output_token_throughput"].get<double>(), 0);
+  for (const char* m : {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}) {
+    const json& s = run[m];
+    EXPECT_GT(s["count"].get<int>(), 0) << m;
+    EXPECT_GT(s["mean"].get<double>(), 0) << m;
+    EXPECT_LE(s["p50"].get<double>(), s["p90"].get<double>()) << m;
+    EXPECT_LE(s["p90"].get<double>(), s["p99"].get<double>()) << m;
+    EXPECT_LE(s["p99"].get<double>(), s["max"].get<double>() + 1e-9) << m;
+  }
+  EXPECT_EQ(run["itl_ms"]["count"].get<int>(), requests * (output_len - 1));
+  EXPECT_GE(run["e2e_ms"]["mean"].get<double>(), run["ttft_ms"]["mean"].get<double>());
+  EXPECT_EQ(run["requests"].size(), static_cast<size_t>(requests));
+  // The router's breakdown reached the client: a disaggregated cluster has prefill compute.
+  EXPECT_GT(run["server_ttft_breakdown_ms"]["prefill_compute"].get<double>(), 0);
+}
+
+TEST(BenchIntegrationTest, ClosedAndOpenLoopAgainstARealCluster) {
+  if (!fs::exists(kModel)) GTEST_SKIP() << kModel << " is missing";
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("tandem-bench-it-", getpid());
+  fs::remove_all(dir);
+  const int http_port = FreePort();
+  std::string out;
+  ASSERT_EQ(Tandem(absl::StrCat("cluster up --model ", Quote(kModel.string()),
+                                " --prefill 1 --decode 1 --dir ", Quote(dir.string()),
+                                " --router-port 0 --http-port ", http_port,
+                                " --threads 1 --timeout-ms 30000"),
+                   &out),
+            0)
+      << out;
+  struct Down {
+    fs::path dir;
+    ~Down() {
+      std::string o;
+      Tandem(absl::StrCat("cluster down --grace-ms 3000 --dir ", Quote(dir.string())), &o);
+      if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+    }
+  } down{dir};
+  const json state = json::parse(Slurp(dir / "cluster.json"));
+  const std::string router = state["router"].get<std::string>();
+
+  // Closed loop, with SLOs: one generous (all good), so goodput equals throughput.
+  const fs::path results = dir / "results.json", plot = dir / "results.png";
+  constexpr int kRequests = 8, kOut = 8;
+  ASSERT_EQ(Tandem(absl::StrCat("bench --router ", router, " --num-requests ", kRequests,
+                                " --concurrency 2 --input-len 24 --output-len ", kOut,
+                                " --slo ttft:60000,tpot:60000 --seed 3 --out ",
+                                Quote(results.string()), " --plot ", Quote(plot.string())),
+                   &out),
+            0)
+      << out;
+  const json j = json::parse(Slurp(results));
+  ASSERT_EQ(j["runs"].size(), 1u);
+  ExpectSaneRun(j["runs"][0], kRequests, kOut);
+  EXPECT_EQ(j["completed"].get<int>(), kRequests);  // the top-level copy
+  EXPECT_EQ(j["runs"][0]["mode"], "closed");
+  EXPECT_DOUBLE_EQ(j["goodput"].get<double>(), j["request_throughput"].get<double>());
+  EXPECT_EQ(j["runs"][0]["requests"][0]["prompt_tokens"].get<int>(), 24);
+  if (j.contains("plot_skipped")) {
+    GTEST_SKIP() << "plot skipped: " << j["plot_skipped"];  // no gnuplot on this machine
+  }
+  ASSERT_TRUE(fs::exists(plot)) << out;
+  EXPECT_TRUE(IsPng(plot));
+
+  // The router counted those requests (its HTTP front door serves /metrics).
+  tandem::testing::HttpReply m = tandem::testing::HttpGet(http_port, "/metrics");
+  ASSERT_EQ(m.status, 200);
+  const std::string series =
+      "tandem:time_to_first_token_seconds_count{model_name=\"stories260K\",role=\"router\"}";
+  EXPECT_EQ(tandem::testing::SampleValue(m.body, series).value_or(-1), kRequests) << m.body;
+
+  // Open loop, two rates, shared-prefix: a run per rate and the load panels.
+  const fs::path sweep = dir / "sweep.json", sweep_png = dir / "sweep.png";
+  ASSERT_EQ(Tandem(absl::StrCat("bench --router ", router,
+                                " --num-requests 6 --request-rate 20,40 --arrival poisson",
+                                " --workload shared-prefix --prefix-len 32 --input-len 8",
+                                " --output-len 4 --slo ttft:0.001 --out ", Quote(sweep.string()),
+                                " --plot ", Quote(sweep_png.string())),
+                   &out),
+            0)
+      << out;
+  const json s = json::parse(Slurp(sweep));
+  ASSERT_EQ(s["runs"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    ExpectSaneRun(s["runs"][i], 6, 4);
+    EXPECT_EQ(s["runs"][i]["mode"], "open");
+    EXPECT_EQ(s["runs"][i]["requests"][0]["prompt_tokens"].get<int>(), 40);
+    // A 1 us TTFT target is beyond any real request: goodput stays below throughput.
+    EXPECT_LT(s["runs"][i]["goodput"].get<double>(),
+              s["runs"][i]["request_throughput"].get<double>());
+  }
+  EXPECT_DOUBLE_EQ(s["runs"][1]["request_rate"].get<double>(), 40);
+  ASSERT_TRUE(fs::exists(sweep_png));
+  EXPECT_TRUE(IsPng(sweep_png));
+}
+
+}  // namespace
