@@ -10,6 +10,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/util/status_util.h"
 #include "services/common/kv_layout.h"
+#include "services/common/kv_pool.h"
 #include "services/common/sampling_convert.h"
 
 namespace tandem::decode {
@@ -58,41 +59,14 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   if (o.quarantine < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("quarantine must be >= 0");
   }
-  // The whole pool is one region, registered once: every reservation is a set of offsets into
-  // it, so requests cost no registration. Where the transport can allocate memory that peers
-  // write most cheaply (UCX: shared memory a local peer maps, so a put is one memcpy), the pool
-  // lives there; otherwise the engine maps its own and the transport registers it.
-  engine::EngineOptions eo = o.engine;
-  std::optional<transfer::RegionDescriptor> allocated;
-  if (o.transport != nullptr) {
-    TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes, engine::Engine::KvBytes(*o.model, eo));
-    absl::StatusOr<transfer::AllocatedRegion> a = o.transport->AllocateRegion(bytes);
-    if (a.ok()) {
-      eo.kv_memory = a->base;
-      eo.kv_memory_bytes = bytes;
-      allocated = a->descriptor;
-    } else if (a.status().code() != absl::StatusCode::kUnimplemented) {
-      return a.status();
-    }
-  }
-  absl::StatusOr<std::unique_ptr<engine::Engine>> engine = engine::Engine::Create(o.model, eo);
-  if (!engine.ok()) {
-    if (allocated) (void)o.transport->DeregisterRegion(allocated->region_id);
-    return engine.status();
-  }
-  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(*engine)));
-  if (allocated) {
-    w->region_bytes_ = allocated->Serialize();
-    w->region_id_ = allocated->region_id;
+  // The whole pool is one region, registered once (kv_pool.h).
+  TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e, services::CreateEngineInRegion(o.model, o.engine, o.transport));
+  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine)));
+  if (e.region) {
+    w->region_bytes_ = e.region->Serialize();
+    w->region_id_ = e.region->region_id;
     w->region_registered_ = true;
-    w->pool_in_transport_memory_ = true;
-  } else if (o.transport != nullptr) {
-    std::span<uint8_t> mem = w->engine_->kv().memory();
-    TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor region,
-                            o.transport->RegisterRegion(mem.data(), mem.size()));
-    w->region_bytes_ = region.Serialize();
-    w->region_id_ = region.region_id;
-    w->region_registered_ = true;
+    w->pool_in_transport_memory_ = e.in_transport_memory;
   }
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });

@@ -10,6 +10,7 @@
 #include "engine/kv/block_pool.h"
 #include "engine/sampling/sampler.h"
 #include "services/common/kv_layout.h"
+#include "services/common/kv_pool.h"
 #include "services/common/sampling_convert.h"
 
 namespace tandem::prefill {
@@ -71,37 +72,14 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   // With a kvstore the local pool is a registered region (the store writes onboarded blocks
   // into it): transport-allocated memory where the transport offers it, as decode does.
   const bool with_store = !o.kvstore.address.empty();
-  engine::EngineOptions eo = o.engine;
-  std::optional<transfer::RegionDescriptor> allocated;
-  if (with_store) {
-    TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes, engine::Engine::KvBytes(*o.model, eo));
-    absl::StatusOr<transfer::AllocatedRegion> a = o.transport->AllocateRegion(bytes);
-    if (a.ok()) {
-      eo.kv_memory = a->base;
-      eo.kv_memory_bytes = bytes;
-      allocated = a->descriptor;
-    } else if (a.status().code() != absl::StatusCode::kUnimplemented) {
-      return a.status();
-    }
-  }
-  absl::StatusOr<std::unique_ptr<engine::Engine>> engine = engine::Engine::Create(o.model, eo);
-  if (!engine.ok()) {
-    if (allocated) (void)o.transport->DeregisterRegion(allocated->region_id);
-    return engine.status();
-  }
-  std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(*engine)));
-  if (allocated) {
-    w->region_bytes_ = allocated->Serialize();
-    w->region_id_ = allocated->region_id;
+  TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e,
+                          services::CreateEngineInRegion(o.model, o.engine, with_store ? o.transport : nullptr));
+  std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(e.engine)));
+  if (e.region) {
+    w->region_bytes_ = e.region->Serialize();
+    w->region_id_ = e.region->region_id;
     w->region_registered_ = true;
-    w->pool_in_transport_memory_ = true;
-  } else if (with_store) {
-    std::span<uint8_t> mem = w->engine_->kv().memory();
-    TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor region,
-                            o.transport->RegisterRegion(mem.data(), mem.size()));
-    w->region_bytes_ = region.Serialize();
-    w->region_id_ = region.region_id;
-    w->region_registered_ = true;
+    w->pool_in_transport_memory_ = e.in_transport_memory;
   }
   if (with_store) {
     TANDEM_ASSIGN_OR_RETURN(w->kvstore_, KvStoreClient::Create(o.kvstore, o.transport));

@@ -1,0 +1,35 @@
+// An engine whose KV pool peers can write into: the setup prefill and decode workers share.
+//
+// Where the transport can allocate memory that peers write most cheaply (UCX: shared memory a
+// local peer maps, so a put is one memcpy), the engine's pool lives there; otherwise the engine
+// maps its own and the transport registers it. Either way the whole pool is one region,
+// registered once, so requests cost no registration.
+//
+// Ownership: the caller owns the engine and the registration. Teardown order matters and
+// differs by case: a transport-allocated pool is freed by DeregisterRegion, so the engine must
+// go first; an engine-mapped pool must be deregistered while the engine still maps it.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "common/transfer/transfer.h"
+#include "engine/runtime/engine.h"
+
+namespace tandem::services {
+
+struct EngineInRegion {
+  std::unique_ptr<engine::Engine> engine;
+  std::optional<transfer::RegionDescriptor> region;  // set when the pool is registered
+  bool in_transport_memory = false;                  // the pool is transport-allocated memory
+};
+
+// Creates the engine; with a transport, its KV pool becomes one registered region. Without
+// one (nullptr) the engine maps its own pool and nothing is registered. On error nothing is
+// left registered or allocated.
+absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine::Model> model,
+                                                    const engine::EngineOptions& options,
+                                                    transfer::KvTransport* transport);
+
+}  // namespace tandem::services
