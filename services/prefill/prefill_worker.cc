@@ -72,8 +72,9 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   // With a kvstore the local pool is a registered region (the store writes onboarded blocks
   // into it): transport-allocated memory where the transport offers it, as decode does.
   const bool with_store = !o.kvstore.address.empty();
-  TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e,
-                          services::CreateEngineInRegion(o.model, o.engine, with_store ? o.transport : nullptr));
+  TANDEM_ASSIGN_OR_RETURN(
+      services::EngineInRegion e,
+      services::CreateEngineInRegion(o.model, o.engine, with_store ? o.transport : nullptr));
   std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(e.engine)));
   if (e.region) {
     w->region_bytes_ = e.region->Serialize();
