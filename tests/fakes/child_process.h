@@ -5,7 +5,9 @@
 #pragma once
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,6 +53,7 @@ class ChildProcess {
   ChildProcess& operator=(const ChildProcess&) = delete;
 
   void Signal(int sig) { kill(pid_, sig); }
+  pid_t pid() const { return pid_; }
 
   // The exit status (128 + signal number when killed), or -1 while still running after
   // `timeout`.
@@ -85,5 +88,38 @@ class ChildProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
 };
+
+// A loopback port that was free a moment ago, for flags that take a fixed port (0 where none
+// could be bound). Another process may take it before the caller binds it; tests accept that.
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// The port a process wrote to its --port-file, or 0 when `timeout` passes first or `child`
+// (optional) exits before writing it.
+inline int WaitForPortFile(const std::string& file, ChildProcess* child = nullptr,
+                           absl::Duration timeout = absl::Seconds(30)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    std::ifstream f(file);
+    int port = 0;
+    if (f >> port && port > 0) return port;
+    if (child != nullptr && child->Wait(absl::ZeroDuration()) >= 0) return 0;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return 0;
+}
 
 }  // namespace tandem::testing

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/child_process.h"
 #include "nlohmann/json.hpp"
 #include "tests/unit/services/metrics_scrape.h"
 
@@ -24,6 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using ::tandem::testing::FreePort;
 
 const fs::path kModel = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K" / "stories260K.gguf";
 const std::string kBin = TANDEM_BIN_DIR;
@@ -53,20 +55,6 @@ int Tandem(const std::string& args, std::string* out, int timeout_s = 60) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
 
 bool IsPng(const fs::path& p) {
   const std::string head = Slurp(p).substr(0, 8);

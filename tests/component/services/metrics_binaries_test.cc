@@ -26,22 +26,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A loopback port that was free a moment ago (the metrics flag takes a fixed port; 0 is off).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 class MetricsBinariesTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -56,17 +40,6 @@ class MetricsBinariesTest : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
-  int WaitForPortFile(const std::string& file, ChildProcess& c) {
-    const absl::Time end = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < end) {
-      std::ifstream f(file);
-      int port = 0;
-      if (f >> port && port > 0) return port;
-      if (c.Wait(absl::ZeroDuration()) >= 0) return 0;  // exited
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return 0;
-  }
 
   std::vector<std::string> WorkerFlags(const std::string& name, int metrics_port) const {
     return {"--model",        model_path_,
@@ -90,7 +63,7 @@ TEST_F(MetricsBinariesTest, DecodeServesMetricsThatARequestMoves) {
   std::vector<std::string> args = WorkerFlags("dec", mport);
   for (const char* a : {"--role", "both", "--transport", "none"}) args.push_back(a);
   ChildProcess c("tandem-decode", args, Path("dec.log"));
-  const int port = WaitForPortFile(Path("dec.port"), c);
+  const int port = WaitForPortFile(Path("dec.port"), &c);
   ASSERT_GT(port, 0) << c.Log();
   EXPECT_NE(c.Log().find("metrics on http://127.0.0.1:" + std::to_string(mport) + "/metrics"),
             std::string::npos)
@@ -150,8 +123,8 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
           {"--port", "0", "--port-file", Path("kv.port"), "--device-mb", "1", "--host-mb", "1",
            "--metrics-port", std::to_string(kport), "--model-name", "tiny"},
           Path("kv.log"));
-  ASSERT_GT(WaitForPortFile(Path("pre.port"), p), 0) << p.Log();
-  ASSERT_GT(WaitForPortFile(Path("kv.port"), k), 0) << k.Log();
+  ASSERT_GT(WaitForPortFile(Path("pre.port"), &p), 0) << p.Log();
+  ASSERT_GT(WaitForPortFile(Path("kv.port"), &k), 0) << k.Log();
 
   HttpReply r = HttpGet(pport, "/metrics");
   ASSERT_EQ(r.status, 200) << p.Log();

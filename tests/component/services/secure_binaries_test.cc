@@ -42,17 +42,6 @@ class SecureBinariesTest : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
-  int WaitForPortFile(const std::string& file, ChildProcess& c) {
-    const absl::Time end = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < end) {
-      std::ifstream f(file);
-      int port = 0;
-      if (f >> port && port > 0) return port;
-      if (c.Wait(absl::ZeroDuration()) >= 0) return 0;  // exited
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return 0;
-  }
 
   // The flags every process of the cluster gets: its certificate (valid for both ends) and mTLS.
   std::vector<std::string> Tls() const {
@@ -96,7 +85,7 @@ TEST_F(SecureBinariesTest, ClusterOverMutualTlsWithApiKeys) {
                                     Path("secret")};
   for (const std::string& a : Tls()) rargs.push_back(a);
   ChildProcess router("tandem-router", rargs, Path("router.log"));
-  const int rport = WaitForPortFile(Path("router.port"), router);
+  const int rport = WaitForPortFile(Path("router.port"), &router);
   ASSERT_GT(rport, 0) << router.Log();
   const std::string raddr = absl::StrCat("127.0.0.1:", rport);
 
@@ -112,7 +101,7 @@ TEST_F(SecureBinariesTest, ClusterOverMutualTlsWithApiKeys) {
                                     "--router",    raddr};
   for (const std::string& a : Tls()) wargs.push_back(a);
   ChildProcess worker("tandem-decode", wargs, Path("w.log"));
-  ASSERT_GT(WaitForPortFile(Path("w.port"), worker), 0) << worker.Log();
+  ASSERT_GT(WaitForPortFile(Path("w.port"), &worker), 0) << worker.Log();
 
   services::TlsOptions client;
   client.ca_file = pki_.ca;

@@ -38,17 +38,6 @@ class WorkerBinariesTest : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
-  // Waits for a port file (explicit timeout); 0 on timeout.
-  int WaitForPort(const std::string& file, absl::Duration timeout = absl::Seconds(30)) {
-    const absl::Time end = absl::Now() + timeout;
-    while (absl::Now() < end) {
-      std::ifstream f(file);
-      int port = 0;
-      if (f >> port && port > 0) return port;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return 0;
-  }
 
   std::vector<std::string> CommonFlags(const std::string& name) const {
     return {"--model",     model_path_, "--port",     "0",   "--port-file", Path(name + ".port"),
@@ -95,8 +84,8 @@ TEST_F(WorkerBinariesTest, ServeRegisterAndExitCleanlyOnSigterm) {
 
   ChildProcess d("tandem-decode", dflags, Path("d1.log"));
   ChildProcess p("tandem-prefill", pflags, Path("p1.log"));
-  const int dport = WaitForPort(Path("d1.port"));
-  const int pport = WaitForPort(Path("p1.port"));
+  const int dport = WaitForPortFile(Path("d1.port"));
+  const int pport = WaitForPortFile(Path("p1.port"));
   ASSERT_GT(dport, 0) << d.Log();
   ASSERT_GT(pport, 0) << p.Log();
 
@@ -182,8 +171,8 @@ TEST_F(WorkerBinariesTest, DisaggregatedOverUcxAcrossProcesses) {
   }
   ChildProcess d("tandem-decode", dflags, Path("d2.log"));
   ChildProcess p("tandem-prefill", pflags, Path("p2.log"));
-  const int dport = WaitForPort(Path("d2.port"));
-  const int pport = WaitForPort(Path("p2.port"));
+  const int dport = WaitForPortFile(Path("d2.port"));
+  const int pport = WaitForPortFile(Path("p2.port"));
   ASSERT_GT(dport, 0) << d.Log();
   ASSERT_GT(pport, 0) << p.Log();
   auto dstub = v1::DecodeWorker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(dport),
@@ -283,8 +272,8 @@ TEST_F(WorkerBinariesTest, CancelDuringPrefillReturnsBothPoolsToBaseline) {
   }
   ChildProcess d("tandem-decode", dflags, Path("d3.log"));
   ChildProcess p("tandem-prefill", pflags, Path("p3.log"));
-  const int dport = WaitForPort(Path("d3.port"));
-  const int pport = WaitForPort(Path("p3.port"));
+  const int dport = WaitForPortFile(Path("d3.port"));
+  const int pport = WaitForPortFile(Path("p3.port"));
   ASSERT_GT(dport, 0) << d.Log();
   ASSERT_GT(pport, 0) << p.Log();
   auto dstub = v1::DecodeWorker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(dport),

@@ -21,12 +21,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/child_process.h"
 #include "nlohmann/json.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using ::tandem::testing::FreePort;
 
 const fs::path kModel = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K" / "stories260K.gguf";
 const std::string kBin = TANDEM_BIN_DIR;
@@ -68,20 +70,6 @@ Result RunCommand(const std::string& cmd, int timeout_s) {
 }
 
 // A port nothing listens on right now (the kernel's pick for a socket bound and closed).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // `tandem client --json`'s completion text.
 std::string ClientText(const std::string& router, const std::string& prompt, int max_tokens,

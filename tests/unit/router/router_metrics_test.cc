@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/child_process.h"
 #include "services/common/grpc_status.h"
 #include "services/router/router_server.h"
 #include "tests/fakes/tiny_model.h"
@@ -19,6 +20,7 @@ namespace tandem::router {
 namespace {
 
 namespace fs = std::filesystem;
+using ::tandem::testing::FreePort;
 using ::tandem::testing::HttpGet;
 using ::tandem::testing::SampleValue;
 
@@ -83,20 +85,6 @@ class FakePrefill final : public v1::PrefillWorker::Service {
 };
 
 // A port nobody listens on right now (for --metrics-port, which has no "any port" value).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
 
 class RouterMetricsTest : public ::testing::Test {
  protected:
