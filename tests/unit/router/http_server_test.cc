@@ -20,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "services/common/grpc_status.h"
 #include "services/router/router_server.h"
+#include "tests/unit/router/router_fixture.h"
 #include "tests/fakes/tiny_model.h"
 
 namespace tandem::router {
@@ -98,65 +99,23 @@ struct Sse {
   std::vector<json> events;  // "[DONE]" kept as a string
 };
 
-class HttpServerTest : public ::testing::Test {
+class HttpServerTest : public RouterFixture {
  protected:
-  static void SetUpTestSuite() {
-    model_path_ = new std::string(
-        (fs::temp_directory_path() / absl::StrCat("http-tiny-", getpid(), ".gguf")).string());
-    ASSERT_TRUE(testing::WriteTinyModel(testing::TinyModelOptions(), *model_path_).ok());
-  }
-  static void TearDownTestSuite() {
-    fs::remove(*model_path_);
-    delete model_path_;
-  }
-  void TearDown() override {
-    for (auto& s : servers_) s->Shutdown(std::chrono::system_clock::now());
-    if (router_) router_->Shutdown(absl::ZeroDuration());
-  }
-
   void StartRouter(RouterOptions o = {}) {
-    o.model_path = *model_path_;
     o.model_id = "tiny";
-    o.host = "127.0.0.1";
-    o.worker_lease = absl::Seconds(30);
     if (o.default_timeout == RouterOptions().default_timeout) o.default_timeout = absl::Seconds(60);
     o.retry_budget = absl::Milliseconds(300);
-    HttpFrontOptions h;
-    h.enabled = true;
-    auto r = RouterServer::Create(o, h);
-    ASSERT_TRUE(r.ok()) << r.status();
-    router_ = std::move(*r);
-    ASSERT_GT(router_->http_port(), 0);
-    auto ch = grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials());
-    inference_ = v1::Inference::NewStub(ch);
-    registry_ = v1::Registry::NewStub(ch);
+    RouterFixture::StartRouter(o);
   }
 
   // A decode and a prefill worker, registered.
   FakeDecode& AddWorkers() {
     decode_ = std::make_unique<FakeDecode>();
     prefill_ = std::make_unique<FakePrefill>();
-    Register(decode_.get(), "d0", v1::WORKER_ROLE_DECODE);
-    Register(prefill_.get(), "p0", v1::WORKER_ROLE_PREFILL);
+    HostWorker(decode_.get(), "d0", v1::WORKER_ROLE_DECODE);
+    HostWorker(prefill_.get(), "p0", v1::WORKER_ROLE_PREFILL);
     return *decode_;
   }
-  void Register(grpc::Service* svc, const std::string& id, v1::WorkerRole role) {
-    int port = 0;
-    grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(svc);
-    servers_.push_back(b.BuildAndStart());
-    v1::RegisterRequest rq;
-    rq.set_worker_id(id);
-    rq.set_role(role);
-    rq.set_address(absl::StrCat("127.0.0.1:", port));
-    rq.set_model(*model_path_);
-    rq.set_kv_blocks_total(100);
-    v1::RegisterResponse resp;
-    grpc::ClientContext cc;
-    ASSERT_TRUE(registry_->Register(&cc, rq, &resp).ok());
-  }
-
   httplib::Client Client() {
     httplib::Client c("127.0.0.1", router_->http_port());
     c.set_read_timeout(20, 0);
@@ -254,17 +213,10 @@ class HttpServerTest : public ::testing::Test {
     return false;
   }
 
-  static std::string* model_path_;
-  std::unique_ptr<RouterServer> router_;
-  std::unique_ptr<v1::Inference::Stub> inference_;
-  std::unique_ptr<v1::Registry::Stub> registry_;
-  // Declared before servers_' users; TearDown shuts the servers down before these go.
+  // RouterFixture's TearDown shuts the servers down before these go.
   std::unique_ptr<FakeDecode> decode_;
   std::unique_ptr<FakePrefill> prefill_;
-  std::vector<std::unique_ptr<grpc::Server>> servers_;
 };
-
-std::string* HttpServerTest::model_path_ = nullptr;
 
 TEST_F(HttpServerTest, CompletionMatchesTheGrpcPath) {
   StartRouter();

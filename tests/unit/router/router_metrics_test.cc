@@ -13,6 +13,7 @@
 #include "tests/fakes/child_process.h"
 #include "services/common/grpc_status.h"
 #include "services/router/router_server.h"
+#include "tests/unit/router/router_fixture.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/unit/services/metrics_scrape.h"
 
@@ -84,55 +85,13 @@ class FakePrefill final : public v1::PrefillWorker::Service {
   }
 };
 
-// A port nobody listens on right now (for --metrics-port, which has no "any port" value).
-
-class RouterMetricsTest : public ::testing::Test {
+class RouterMetricsTest : public RouterFixture {
  protected:
-  static void SetUpTestSuite() {
-    model_path_ = new std::string(
-        (fs::temp_directory_path() / absl::StrCat("router-metrics-", getpid(), ".gguf")).string());
-    ASSERT_TRUE(testing::WriteTinyModel(testing::TinyModelOptions{}, *model_path_).ok());
-  }
-  static void TearDownTestSuite() {
-    fs::remove(*model_path_);
-    delete model_path_;
-  }
-  void TearDown() override {
-    for (auto& s : servers_) s->Shutdown(std::chrono::system_clock::now());
-    if (router_) router_->Shutdown(absl::ZeroDuration());
-  }
-
   void Start(RouterOptions o = {}) {
-    o.model_path = *model_path_;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.worker_lease = absl::Seconds(30);
     o.retry_budget = absl::Seconds(1);
-    HttpFrontOptions http;
-    http.enabled = true;
-    auto r = RouterServer::Create(o, http);
-    ASSERT_TRUE(r.ok()) << r.status();
-    router_ = std::move(*r);
-    channel_ = grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials());
-    Host(&decode_, "d0", v1::WORKER_ROLE_DECODE);
-    Host(&prefill_, "p0", v1::WORKER_ROLE_PREFILL);
-  }
-
-  void Host(grpc::Service* svc, const std::string& id, v1::WorkerRole role) {
-    grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(svc);
-    servers_.push_back(b.BuildAndStart());
-    v1::RegisterRequest rq;
-    rq.set_worker_id(id);
-    rq.set_role(role);
-    rq.set_address(absl::StrCat("127.0.0.1:", port));
-    rq.set_model(*model_path_);
-    rq.set_kv_blocks_total(100);
-    v1::RegisterResponse resp;
-    grpc::ClientContext cc;
-    ASSERT_TRUE(v1::Registry::NewStub(channel_)->Register(&cc, rq, &resp).ok());
+    StartRouter(o);
+    HostWorker(&decode_, "d0", v1::WORKER_ROLE_DECODE);
+    HostWorker(&prefill_, "p0", v1::WORKER_ROLE_PREFILL);
   }
 
   std::vector<v1::GenerateResponse> Generate(grpc::Status* status) {
@@ -172,15 +131,9 @@ class RouterMetricsTest : public ::testing::Test {
     return v.value_or(-1);
   }
 
-  static std::string* model_path_;
   FakeDecode decode_;
   FakePrefill prefill_;
-  std::unique_ptr<RouterServer> router_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::vector<std::unique_ptr<grpc::Server>> servers_;
 };
-
-std::string* RouterMetricsTest::model_path_ = nullptr;
 
 TEST_F(RouterMetricsTest, SeriesExistAtZeroBeforeTraffic) {
   Start();

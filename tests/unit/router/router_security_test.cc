@@ -21,6 +21,7 @@
 #include "nlohmann/json.hpp"
 #include "services/router/auth.h"
 #include "services/router/router_server.h"
+#include "tests/unit/router/router_fixture.h"
 #include "tests/fakes/tiny_model.h"
 #include "xxhash.h"
 
@@ -49,56 +50,18 @@ class FakeColocated final : public v1::DecodeWorker::Service {
   }
 };
 
-class RouterSecurityTest : public ::testing::Test {
+class RouterSecurityTest : public RouterFixture {
  protected:
   static constexpr int kMaxMessage = 256 << 10;
 
-  static void SetUpTestSuite() {
-    model_path_ = new std::string(
-        (fs::temp_directory_path() / absl::StrCat("sec-tiny-", getpid(), ".gguf")).string());
-    ASSERT_TRUE(testing::WriteTinyModel(testing::TinyModelOptions(), *model_path_).ok());
-  }
-  static void TearDownTestSuite() {
-    fs::remove(*model_path_);
-    delete model_path_;
-  }
-  void TearDown() override {
-    if (worker_) worker_->Shutdown(std::chrono::system_clock::now());
-    if (router_) router_->Shutdown(absl::ZeroDuration());
-  }
-
   void StartRouter(std::shared_ptr<Authenticator> auth = nullptr) {
     RouterOptions o;
-    o.model_path = *model_path_;
-    o.host = "127.0.0.1";
-    o.worker_lease = absl::Seconds(30);
     o.default_timeout = absl::Seconds(30);
     o.retry_budget = absl::Milliseconds(200);
     o.max_message_bytes = kMaxMessage;
     o.auth = std::move(auth);
-    HttpFrontOptions h;
-    h.enabled = true;
-    auto r = RouterServer::Create(o, h);
-    ASSERT_TRUE(r.ok()) << r.status();
-    router_ = std::move(*r);
-    auto ch = grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials());
-    inference_ = v1::Inference::NewStub(ch);
-    registry_ = v1::Registry::NewStub(ch);
-    // The worker behind it.
-    int port = 0;
-    grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(&fake_);
-    worker_ = b.BuildAndStart();
-    v1::RegisterRequest rq;
-    rq.set_worker_id("c0");
-    rq.set_role(v1::WORKER_ROLE_BOTH);
-    rq.set_address(absl::StrCat("127.0.0.1:", port));
-    rq.set_model(*model_path_);
-    rq.set_kv_blocks_total(100);
-    v1::RegisterResponse resp;
-    grpc::ClientContext cc;
-    ASSERT_TRUE(registry_->Register(&cc, rq, &resp).ok());
+    RouterFixture::StartRouter(o);
+    HostWorker(&fake_, "c0", v1::WORKER_ROLE_BOTH);  // the worker behind it
   }
 
   static v1::GenerateRequest Good() {
@@ -119,7 +82,9 @@ class RouterSecurityTest : public ::testing::Test {
     int n = 0;
     while (reader->Read(&m)) ++n;
     grpc::Status st = reader->Finish();
-    if (st.ok()) EXPECT_EQ(n, 2);
+    if (st.ok()) {
+      EXPECT_EQ(n, 2);
+    }
     if (trailers != nullptr) {
       for (const auto& [k, v] : cc.GetServerTrailingMetadata()) {
         trailers->emplace(std::string(k.data(), k.size()), std::string(v.data(), v.size()));
@@ -139,15 +104,8 @@ class RouterSecurityTest : public ::testing::Test {
     return Http().Post("/v1/completions", h, body.dump(), "application/json");
   }
 
-  static std::string* model_path_;
   FakeColocated fake_;
-  std::unique_ptr<grpc::Server> worker_;
-  std::unique_ptr<RouterServer> router_;
-  std::unique_ptr<v1::Inference::Stub> inference_;
-  std::unique_ptr<v1::Registry::Stub> registry_;
 };
-
-std::string* RouterSecurityTest::model_path_ = nullptr;
 
 // ---- The validation table -------------------------------------------------------------------
 
