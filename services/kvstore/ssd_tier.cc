@@ -269,9 +269,8 @@ absl::Status SsdTier::Put(uint64_t hash, std::span<const uint8_t> data) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ssd tier: ", fb, " more bytes exceed the capacity ", o_.capacity_bytes));
   }
-  AlignedBuf buf = AllocAligned(fb);
+  uint8_t* buf = IoBuffer(fb);
   if (buf == nullptr) return absl::ResourceExhaustedError("ssd tier: no memory for a buffer");
-  std::memset(buf.get(), 0, fb);
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.version = kVersion;
@@ -280,15 +279,18 @@ absl::Status SsdTier::Put(uint64_t hash, std::span<const uint8_t> data) {
   h.payload_bytes = data.size();
   h.payload_xxh3 = XXH3_64bits(data.data(), data.size());
   h.header_xxh3 = XXH3_64bits(&h, kHeaderChecked);
-  std::memcpy(buf.get(), &h, sizeof(h));
-  std::memcpy(buf.get() + kHeaderBytes, data.data(), data.size());
+  // Zero what is not header or payload: the header's padding and the tail up to the alignment.
+  std::memset(buf, 0, kHeaderBytes);
+  std::memcpy(buf, &h, sizeof(h));
+  std::memcpy(buf + kHeaderBytes, data.data(), data.size());
+  std::memset(buf + kHeaderBytes + data.size(), 0, fb - kHeaderBytes - data.size());
 
   const std::string path = PathFor(hash);
   const std::string tmp = path + ".tmp";
   {
     Fd fd(OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC));
     if (fd.get() < 0) return util::FromErrno(errno, absl::StrCat("open ", tmp));
-    absl::Status st = WriteAt(fd.get(), buf.get(), fb, 0);
+    absl::Status st = WriteAt(fd.get(), buf, fb, 0);
     if (st.ok() && o_.fsync && fsync(fd.get()) != 0) st = util::FromErrno(errno, "fsync");
     if (!st.ok()) {
       unlink(tmp.c_str());
@@ -318,18 +320,18 @@ absl::StatusOr<std::vector<uint8_t>> SsdTier::Get(uint64_t hash) {
     }
     return util::FromErrno(errno, absl::StrCat("open ", path));
   }
-  AlignedBuf buf = AllocAligned(e.file_bytes);
+  uint8_t* buf = IoBuffer(e.file_bytes);
   if (buf == nullptr) return absl::ResourceExhaustedError("ssd tier: no memory for a buffer");
   uint64_t got = 0;
-  TANDEM_RETURN_IF_ERROR(ReadAt(fd.get(), buf.get(), e.file_bytes, 0, &got));
+  TANDEM_RETURN_IF_ERROR(ReadAt(fd.get(), buf, e.file_bytes, 0, &got));
   Header h;
-  std::memcpy(&h, buf.get(), sizeof(h));
+  std::memcpy(&h, buf, sizeof(h));
   const char* why = nullptr;
   if (got < kHeaderBytes + e.payload) {
     why = "truncated";
   } else if (!HeaderValid(h) || h.hash != hash || h.payload_bytes != e.payload) {
     why = "bad header";
-  } else if (XXH3_64bits(buf.get() + kHeaderBytes, e.payload) != h.payload_xxh3) {
+  } else if (XXH3_64bits(buf + kHeaderBytes, e.payload) != h.payload_xxh3) {
     why = "payload checksum mismatch";
   }
   if (why != nullptr) {
@@ -338,7 +340,15 @@ absl::StatusOr<std::vector<uint8_t>> SsdTier::Get(uint64_t hash) {
     return absl::DataLossError(
         absl::StrCat("ssd tier: block ", absl::Hex(hash), " in ", path, ": ", why, "; dropped"));
   }
-  return std::vector<uint8_t>(buf.get() + kHeaderBytes, buf.get() + kHeaderBytes + e.payload);
+  return std::vector<uint8_t>(buf + kHeaderBytes, buf + kHeaderBytes + e.payload);
+}
+
+uint8_t* SsdTier::IoBuffer(uint64_t bytes) {
+  if (bytes > io_buf_bytes_) {
+    io_buf_.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes)));
+    io_buf_bytes_ = io_buf_ == nullptr ? 0 : bytes;
+  }
+  return io_buf_.get();
 }
 
 absl::Status SsdTier::Erase(uint64_t hash) {

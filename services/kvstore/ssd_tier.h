@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -77,6 +78,9 @@ class SsdTier : public Tier {
   // Opens with O_DIRECT when allowed, falling back (once, logged) when the file system refuses.
   int OpenFile(const std::string& path, int flags, int mode = 0644);
   void Drop(uint64_t hash);
+  // The O_DIRECT staging buffer, at least `bytes` long, kept between calls: a fresh block-sized
+  // allocation is a fresh mapping, and faulting its pages in cost more than the I/O itself.
+  uint8_t* IoBuffer(uint64_t bytes);
 
   struct Entry {
     uint64_t payload = 0;
@@ -89,6 +93,11 @@ class SsdTier : public Tier {
   int64_t integrity_failures_ = 0;
   int64_t dropped_on_open_ = 0;
   absl::flat_hash_map<uint64_t, Entry> index_;
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, FreeDeleter> io_buf_;
+  uint64_t io_buf_bytes_ = 0;
 };
 
 }  // namespace tandem::kvstore
