@@ -4,7 +4,7 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 
-.PHONY: all setup configure build test demo fidelity fuzz-smoke clean
+.PHONY: all setup configure build test demo fidelity fuzz-smoke gpu-check clean
 
 all: build
 
@@ -32,6 +32,11 @@ fidelity: build
 # libFuzzer targets built with clang in build-fuzz/, ~20 s each (docs/fuzzing.md).
 fuzz-smoke:
 	@scripts/fuzz_smoke.sh 20
+
+# One NVIDIA GPU: build for sm_90, run the gpu-labelled tests, print the kernel timing table
+# (docs/perf/cuda.md). Set OUT=dir to keep the table.
+gpu-check:
+	@scripts/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -431,7 +431,8 @@ int main(int argc, char** argv) {
   app.add_option("--matmul-batch", o.matmul_batch, "Activation rows of the matmul sweep");
   app.add_option("--kernel-kib", o.kernel_kib, "Weight KiB of the kernel mode (fits in L2)");
   app.add_option("--batch-tokens", o.batch_tokens, "Engine max_batch_tokens (prefill chunk)");
-  app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (llama.cpp's default) or f32");
+  app.add_option("--kv-type,--kv-dtype", o.kv_type,
+                 "KV cache type: f16 (llama.cpp's default), f32, int8 or fp8");
   app.add_option("--seed", o.seed, "Seed of the random prompts");
   bool no_pack = false;
   app.add_flag("--no-pack", no_pack, "Use the GGUF rows as they are (no packed weights)");

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
 #include "tandem/kernels/fp16.h"
+#include "tandem/kernels/kv_quant.h"
 
 namespace tandem::engine {
 
@@ -17,9 +18,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
         "KV cache shape must be positive: layers=", o.num_layers, " kv_heads=", o.num_kv_heads,
         " head_dim=", o.head_dim, " block_size=", o.block_size, " blocks=", o.num_blocks));
   }
-  if (o.type != kernels::DType::kF32 && o.type != kernels::DType::kF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV cache type must be f32 or f16, got ", std::string(kernels::Traits(o.type).name)));
+  if (o.type != kernels::DType::kF32 && o.type != kernels::DType::kF16 &&
+      !kernels::IsQuantizedKvType(o.type)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache type must be f32, f16, int8 or fp8, got ",
+                     std::string(kernels::Traits(o.type).name)));
   }
   const size_t size = RequiredBytes(o);
   if (o.external_memory != nullptr) {
@@ -42,9 +45,23 @@ uint64_t KvCache::RequiredBytes(const KvCacheOptions& o) {
       o.num_blocks <= 0) {
     return 0;
   }
-  const uint64_t elem = o.type == kernels::DType::kF16 ? 2 : 4;
-  return uint64_t(o.num_layers) * 2 * o.num_blocks * o.block_size * o.num_kv_heads * o.head_dim *
-         elem;
+  return uint64_t(o.num_layers) * 2 * o.num_blocks * o.block_size * SlotBytes(o);
+}
+
+size_t KvCache::ElemBytes(kernels::DType t) {
+  switch (t) {
+    case kernels::DType::kF16: return 2;
+    case kernels::DType::kI8:
+    case kernels::DType::kFp8E4M3: return 1;
+    default: return 4;
+  }
+}
+
+size_t KvCache::SlotBytes(const KvCacheOptions& o) {
+  if (kernels::IsQuantizedKvType(o.type)) {
+    return static_cast<size_t>(kernels::KvQuantSlotBytes(o.num_kv_heads, o.head_dim));
+  }
+  return size_t(o.num_kv_heads) * o.head_dim * ElemBytes(o.type);
 }
 
 KvCache::KvCache(const KvCacheOptions& o, uint8_t* base, size_t size, bool owned)
@@ -58,10 +75,13 @@ void KvCache::Write(int32_t layer, std::span<const int32_t> blocks, int64_t pos,
                     const float* v) {
   const int32_t block = blocks[pos / o_.block_size];
   const int64_t slot = pos % o_.block_size;
-  const size_t off = (size_t(block) * o_.block_size + slot) * slot_elems() * elem_bytes();
+  const size_t off = (size_t(block) * o_.block_size + slot) * slot_bytes();
   uint8_t* kd = k_layer(layer) + off;
   uint8_t* vd = v_layer(layer) + off;
-  if (o_.type == kernels::DType::kF32) {
+  if (kernels::IsQuantizedKvType(o_.type)) {
+    kernels::QuantizeKvSlot(o_.type, k, o_.num_kv_heads, o_.head_dim, kd);
+    kernels::QuantizeKvSlot(o_.type, v, o_.num_kv_heads, o_.head_dim, vd);
+  } else if (o_.type == kernels::DType::kF32) {
     std::memcpy(kd, k, slot_elems() * 4);
     std::memcpy(vd, v, slot_elems() * 4);
   } else {

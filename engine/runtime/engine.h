@@ -32,6 +32,7 @@ struct EngineOptions {
   int32_t max_seqs = 8;      // sizes the KV pool when kv_blocks is 0
   int32_t kv_blocks = 0;     // 0: enough for max_seqs full contexts
   int32_t block_size = 16;
+  // kF32, kF16, or kI8 / kFp8E4M3 (codes plus per-slot scales, tandem/kernels/kv_quant.h).
   kernels::DType kv_type = kernels::DType::kF32;
   int32_t max_batch_tokens = 512;  // tokens per step (chunked prefill splits longer prompts)
   // Optional memory for the KV cache (see KvCacheOptions::external_memory); query the size

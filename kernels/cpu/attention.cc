@@ -10,6 +10,7 @@
 #include "internal.h"
 #include "tandem/kernels/cpu_features.h"
 #include "tandem/kernels/fp16.h"
+#include "tandem/kernels/kv_quant.h"
 
 namespace tandem::kernels {
 namespace {
@@ -22,6 +23,27 @@ const T* Slot(const PagedAttentionParams& p, const void* cache, int64_t t, int64
   return static_cast<const T*>(cache) +
          ((block * p.block_size + slot) * p.n_kv_head + kvh) * p.head_dim;
 }
+
+// Dequantises the head_dim values of kv head `kvh` at position t of a quantised cache.
+void LoadQuantRow(const PagedAttentionParams& p, const void* cache, int64_t t, int64_t kvh,
+                  float* out) {
+  const int64_t block = p.block_table[t / p.block_size];
+  const int64_t slot = t % p.block_size;
+  const int64_t slot_bytes = KvQuantSlotBytes(p.n_kv_head, p.head_dim);
+  const uint8_t* s =
+      static_cast<const uint8_t*>(cache) + (block * p.block_size + slot) * slot_bytes;
+  float scale;
+  std::memcpy(&scale, s + KvQuantCodeBytes(p.n_kv_head, p.head_dim) + 4 * kvh, 4);
+  const uint8_t* codes = s + kvh * p.head_dim;
+  if (p.kv_type == DType::kI8) {
+    DequantizeRowInt8(reinterpret_cast<const int8_t*>(codes), scale, p.head_dim, out);
+  } else {
+    DequantizeRowFp8E4M3(codes, scale, p.head_dim, out);
+  }
+}
+
+// Tag for the quantised instantiation of AttendOne (the element type is not a C++ type).
+struct QuantTag {};
 
 inline float DotF32(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
@@ -41,10 +63,14 @@ void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scor
 
   float max_s = -INFINITY;
   for (int64_t t = 0; t < n_keys; ++t) {
-    const T* k = Slot<T>(p, p.k_cache, t, kvh);
+    const T* k = nullptr;
+    if constexpr (!std::is_same_v<T, QuantTag>) k = Slot<T>(p, p.k_cache, t, kvh);
     float s;
     if constexpr (std::is_same_v<T, float>) {
       s = DotF32(q, k, d);
+    } else if constexpr (std::is_same_v<T, QuantTag>) {
+      LoadQuantRow(p, p.k_cache, t, kvh, kbuf);
+      s = DotF32(q, kbuf, d);
     } else {
       Fp16ToF32Row(k, kbuf, d);
       s = DotF32(q, kbuf, d);
@@ -64,10 +90,14 @@ void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scor
   std::fill(out, out + d, 0.0f);
   for (int64_t t = 0; t < n_keys; ++t) {
     const float w = scores[t] * inv;
-    const T* v = Slot<T>(p, p.v_cache, t, kvh);
     if constexpr (std::is_same_v<T, float>) {
+      const T* v = Slot<T>(p, p.v_cache, t, kvh);
       for (int64_t i = 0; i < d; ++i) out[i] += w * v[i];
+    } else if constexpr (std::is_same_v<T, QuantTag>) {
+      LoadQuantRow(p, p.v_cache, t, kvh, kbuf);
+      for (int64_t i = 0; i < d; ++i) out[i] += w * kbuf[i];
     } else {
+      const T* v = Slot<T>(p, p.v_cache, t, kvh);
       Fp16ToF32Row(v, kbuf, d);
       for (int64_t i = 0; i < d; ++i) out[i] += w * kbuf[i];
     }
@@ -82,6 +112,8 @@ void AttendItemScalar(const PagedAttentionParams& p, int64_t qi, int64_t kvh, fl
   for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
     if (p.kv_type == DType::kF16) {
       AttendOne<uint16_t>(p, qi, h, scores, kbuf);
+    } else if (IsQuantizedKvType(p.kv_type)) {
+      AttendOne<QuantTag>(p, qi, h, scores, kbuf);
     } else {
       AttendOne<float>(p, qi, h, scores, kbuf);
     }
@@ -149,6 +181,17 @@ void PagedAttentionReference(const PagedAttentionParams& p) {
   const int64_t d = p.head_dim;
   auto load = [&](const void* cache, int64_t t, int64_t kvh, int64_t i) -> double {
     const int64_t block = p.block_table[t / p.block_size];
+    if (IsQuantizedKvType(p.kv_type)) {
+      const uint8_t* s = static_cast<const uint8_t*>(cache) +
+                         (block * p.block_size + t % p.block_size) *
+                             KvQuantSlotBytes(p.n_kv_head, d);
+      float scale;
+      std::memcpy(&scale, s + KvQuantCodeBytes(p.n_kv_head, d) + 4 * kvh, 4);
+      const uint8_t c = s[kvh * d + i];
+      const double v = p.kv_type == DType::kI8 ? double(static_cast<int8_t>(c))
+                                               : double(Fp8E4M3ToF32(c));
+      return v * scale;
+    }
     const int64_t idx = ((block * p.block_size + t % p.block_size) * p.n_kv_head + kvh) * d + i;
     if (p.kv_type == DType::kF16) return Fp16ToF32(static_cast<const uint16_t*>(cache)[idx]);
     return static_cast<const float*>(cache)[idx];

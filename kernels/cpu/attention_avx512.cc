@@ -4,6 +4,9 @@
 // row is loaded (and, for an f16 cache, converted) once for the whole group. Head dims that are
 // multiples of 16 up to 128 are handled; attention.cc falls back to the scalar path otherwise.
 //
+// Quantised caches (int8, fp8-e4m3; tandem/kernels/kv_quant.h) are dequantised on load to the
+// same f32 values the scalar path uses (int8: code * scale; fp8: the code widened exactly to
+// f16, times 256 * scale, one rounding like the scalar table * scale).
 // Numerics match the scalar path's two-pass softmax: f32 dot products (the scale is folded into
 // the query, which rounds once differently), the max subtracted, exponentials from a degree-7
 // polynomial (relative error about 1e-7 over the reduced range), their sum in f32 lanes, then the
@@ -13,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "internal.h"
 #include "tandem/kernels/attention.h"
@@ -20,13 +24,58 @@
 namespace tandem::kernels::internal::avx512 {
 namespace {
 
-template <bool kF16>
-inline __m512 LoadRow16(const void* base, int64_t index) {
-  if constexpr (kF16) {
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+// Cache element kinds.
+constexpr int kKindF32 = 0, kKindF16 = 1, kKindI8 = 2, kKindFp8 = 3;
+
+// 16 fp8-e4m3 codes to f32, times `scale256` (= 256 * the row's scale). The low 7 bits shifted
+// left by 7 are the same exponent and mantissa as an f16 with bias 15 instead of 7, subnormals
+// included, so the f16 is the code's value times 2^-8, exactly; NaN codes are patched.
+inline __m512 Fp8x16(const uint8_t* codes, __m512 scale256) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i em = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  __m512 f = _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(em, 7), sign));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f));
+  f = _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
+  return _mm512_mul_ps(f, scale256);
+}
+
+// The D 16-float chunks of kv head `kvh` at slot j of `block`.
+template <int D, int kKind>
+inline void LoadRow(const PagedAttentionParams& p, const void* cache, int64_t block, int64_t j,
+                    int64_t kvh, __m512* out) {
+  constexpr int64_t d = 16 * D;
+  if constexpr (kKind == kKindF32 || kKind == kKindF16) {
+    const int64_t index = ((block * p.block_size + j) * p.n_kv_head + kvh) * d;
+    for (int c = 0; c < D; ++c) {
+      if constexpr (kKind == kKindF16) {
+        out[c] = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + index + 16 * c)));
+      } else {
+        out[c] = _mm512_loadu_ps(static_cast<const float*>(cache) + index + 16 * c);
+      }
+    }
   } else {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+    // Slot: codes [n_kv_head][d] padded to 4 bytes, then one f32 scale per head (kv_quant.h;
+    // its inline helpers are not used here, this file being compiled with wider -m flags).
+    const int64_t code_bytes = (p.n_kv_head * d + 3) / 4 * 4;
+    const int64_t slot_bytes = code_bytes + 4 * p.n_kv_head;
+    const uint8_t* slot =
+        static_cast<const uint8_t*>(cache) + (block * p.block_size + j) * slot_bytes;
+    float scale;
+    std::memcpy(&scale, slot + code_bytes + 4 * kvh, 4);
+    const uint8_t* codes = slot + kvh * d;
+    if constexpr (kKind == kKindI8) {
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (int c = 0; c < D; ++c) {
+        const __m512i q = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)));
+        out[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), vs);
+      }
+    } else {
+      const __m512 vs = _mm512_set1_ps(scale * 256.0f);
+      for (int c = 0; c < D; ++c) out[c] = Fp8x16(codes + 16 * c, vs);
+    }
   }
 }
 
@@ -51,13 +100,12 @@ inline __m512 ExpNonPositive(__m512 x) {
 
 // Query heads h0 .. h0+NG-1 (all of KV head kvh) at query row qi; D = head_dim / 16.
 // scores: NG rows of `stride` floats.
-template <int D, int NG, bool kF16>
+template <int D, int NG, int kKind>
 void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t h0,
                  float* scores, int64_t stride) {
   constexpr int64_t d = 16 * D;
   const int64_t n_keys = p.q_pos[qi] + 1;
   const int64_t bs = p.block_size;
-  const int64_t row_elems = p.n_kv_head * d;
   const __m512 scale = _mm512_set1_ps(p.scale);
 
   __m512 q[NG][D];
@@ -68,11 +116,11 @@ void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t
 
   // Pass 1: scores, block by block of the table.
   for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
-    const int64_t base = (static_cast<int64_t>(p.block_table[t0 / bs]) * bs * p.n_kv_head + kvh) * d;
+    const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
     for (int64_t j = 0; j < n; ++j) {
       __m512 k[D];
-      for (int c = 0; c < D; ++c) k[c] = LoadRow16<kF16>(p.k_cache, base + j * row_elems + 16 * c);
+      LoadRow<D, kKind>(p, p.k_cache, block, j, kvh, k);
       for (int g = 0; g < NG; ++g) {
         __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
         for (int c = 1; c < D; ++c) acc = _mm512_fmadd_ps(q[g][c], k[c], acc);
@@ -110,11 +158,11 @@ void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < D; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
-    const int64_t base = (static_cast<int64_t>(p.block_table[t0 / bs]) * bs * p.n_kv_head + kvh) * d;
+    const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
     for (int64_t j = 0; j < n; ++j) {
       __m512 v[D];
-      for (int c = 0; c < D; ++c) v[c] = LoadRow16<kF16>(p.v_cache, base + j * row_elems + 16 * c);
+      LoadRow<D, kKind>(p, p.v_cache, block, j, kvh, v);
       for (int g = 0; g < NG; ++g) {
         const __m512 w = _mm512_set1_ps(scores[g * stride + t0 + j]);
         for (int c = 0; c < D; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
@@ -128,33 +176,33 @@ void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t
   }
 }
 
-template <int D, bool kF16>
+template <int D, int kKind>
 void AttendItemD(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
                  int64_t stride) {
   const int64_t group = p.n_head / p.n_kv_head;
   int64_t h = kvh * group;
   const int64_t end = h + group;
-  for (; h + 4 <= end; h += 4) AttendGroup<D, 4, kF16>(p, qi, kvh, h, scores, stride);
+  for (; h + 4 <= end; h += 4) AttendGroup<D, 4, kKind>(p, qi, kvh, h, scores, stride);
   switch (end - h) {
-    case 3: AttendGroup<D, 3, kF16>(p, qi, kvh, h, scores, stride); break;
-    case 2: AttendGroup<D, 2, kF16>(p, qi, kvh, h, scores, stride); break;
-    case 1: AttendGroup<D, 1, kF16>(p, qi, kvh, h, scores, stride); break;
+    case 3: AttendGroup<D, 3, kKind>(p, qi, kvh, h, scores, stride); break;
+    case 2: AttendGroup<D, 2, kKind>(p, qi, kvh, h, scores, stride); break;
+    case 1: AttendGroup<D, 1, kKind>(p, qi, kvh, h, scores, stride); break;
     default: break;
   }
 }
 
-template <bool kF16>
+template <int kKind>
 void AttendItemT(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
                  int64_t stride) {
   switch (p.head_dim / 16) {
-    case 1: return AttendItemD<1, kF16>(p, qi, kvh, scores, stride);
-    case 2: return AttendItemD<2, kF16>(p, qi, kvh, scores, stride);
-    case 3: return AttendItemD<3, kF16>(p, qi, kvh, scores, stride);
-    case 4: return AttendItemD<4, kF16>(p, qi, kvh, scores, stride);
-    case 5: return AttendItemD<5, kF16>(p, qi, kvh, scores, stride);
-    case 6: return AttendItemD<6, kF16>(p, qi, kvh, scores, stride);
-    case 7: return AttendItemD<7, kF16>(p, qi, kvh, scores, stride);
-    case 8: return AttendItemD<8, kF16>(p, qi, kvh, scores, stride);
+    case 1: return AttendItemD<1, kKind>(p, qi, kvh, scores, stride);
+    case 2: return AttendItemD<2, kKind>(p, qi, kvh, scores, stride);
+    case 3: return AttendItemD<3, kKind>(p, qi, kvh, scores, stride);
+    case 4: return AttendItemD<4, kKind>(p, qi, kvh, scores, stride);
+    case 5: return AttendItemD<5, kKind>(p, qi, kvh, scores, stride);
+    case 6: return AttendItemD<6, kKind>(p, qi, kvh, scores, stride);
+    case 7: return AttendItemD<7, kKind>(p, qi, kvh, scores, stride);
+    case 8: return AttendItemD<8, kKind>(p, qi, kvh, scores, stride);
     default: return;
   }
 }
@@ -163,15 +211,17 @@ void AttendItemT(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* 
 
 bool AttentionSupports(const PagedAttentionParams& p) {
   return p.head_dim % 16 == 0 && p.head_dim >= 16 && p.head_dim <= 128 &&
-         (p.kv_type == DType::kF16 || p.kv_type == DType::kF32);
+         (p.kv_type == DType::kF16 || p.kv_type == DType::kF32 || p.kv_type == DType::kI8 ||
+          p.kv_type == DType::kFp8E4M3);
 }
 
 void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
                 int64_t stride) {
-  if (p.kv_type == DType::kF16) {
-    AttendItemT<true>(p, qi, kvh, scores, stride);
-  } else {
-    AttendItemT<false>(p, qi, kvh, scores, stride);
+  switch (p.kv_type) {
+    case DType::kF16: return AttendItemT<kKindF16>(p, qi, kvh, scores, stride);
+    case DType::kI8: return AttendItemT<kKindI8>(p, qi, kvh, scores, stride);
+    case DType::kFp8E4M3: return AttendItemT<kKindFp8>(p, qi, kvh, scores, stride);
+    default: return AttendItemT<kKindF32>(p, qi, kvh, scores, stride);
   }
 }
 

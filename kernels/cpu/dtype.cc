@@ -7,7 +7,7 @@
 namespace tandem::kernels {
 namespace {
 
-constexpr std::array<DTypeTraits, 9> kTraits = {{
+constexpr std::array<DTypeTraits, 11> kTraits = {{
     {DType::kF32, "f32", 1, 4},
     {DType::kF16, "f16", 1, 2},
     {DType::kQ4_0, "q4_0", 32, 2 + 16},
@@ -17,6 +17,9 @@ constexpr std::array<DTypeTraits, 9> kTraits = {{
     {DType::kQ8_K, "q8_K", kQK_K, 4 + kQK_K + kQK_K / 16 * 2},
     {DType::kBF16, "bf16", 1, 2},
     {DType::kMXFP4, "mxfp4", 32, 1 + 16},
+    // Codes only: a KV slot's scales are counted by KvQuantSlotBytes, not here.
+    {DType::kI8, "int8", 1, 1},
+    {DType::kFp8E4M3, "fp8", 1, 1},
 }};
 
 bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
@@ -32,6 +35,7 @@ bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
 }  // namespace
 
 std::optional<DTypeTraits> GetDTypeTraits(uint32_t type_id) {
+  if (type_id >= static_cast<uint32_t>(DType::kI8)) return std::nullopt;  // KV-only types
   for (const auto& t : kTraits) {
     if (static_cast<uint32_t>(t.type) == type_id) return t;
   }

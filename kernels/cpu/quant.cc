@@ -437,6 +437,9 @@ absl::Status QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
     case DType::kQ8_K:
       QuantizeQ8K(src, static_cast<BlockQ8K*>(dst), nb);
       return absl::OkStatus();
+    case DType::kI8:
+    case DType::kFp8E4M3:
+      break;  // KV-cache-only types: tandem/kernels/kv_quant.h
   }
   return absl::InvalidArgumentError(
       absl::StrCat("QuantizeRow: unsupported type ", static_cast<uint32_t>(type)));
@@ -499,6 +502,9 @@ void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
       }
       return;
     }
+    case DType::kI8:
+    case DType::kFp8E4M3:
+      return;  // KV-cache-only types (per-slot scales): tandem/kernels/kv_quant.h
   }
 }
 

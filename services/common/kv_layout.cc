@@ -5,11 +5,12 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/kernels/kv_quant.h"
 
 namespace tandem::services {
 
 std::string KvDTypeName(const engine::KvCache& kv) {
-  return kv.options().type == kernels::DType::kF16 ? "f16" : "f32";
+  return std::string(kernels::KvTypeName(kv.options().type));
 }
 
 void FillKvLayout(const engine::KvCache& kv, v1::KvDestination* dst) {
@@ -61,7 +62,7 @@ int64_t BlocksFor(int64_t num_tokens, int32_t block_size) {
 
 uint64_t BlockChecksum(const engine::KvCache& kv, int32_t block, int32_t num_slots) {
   const size_t offset = size_t(block) * kv.block_bytes();
-  const size_t len = size_t(num_slots) * kv.slot_elems() * kv.elem_bytes();
+  const size_t len = size_t(num_slots) * kv.slot_bytes();  // quantised slots carry their scales
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
   for (int32_t l = 0; l < kv.options().num_layers; ++l) {

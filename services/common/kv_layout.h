@@ -24,7 +24,7 @@
 
 namespace tandem::services {
 
-// "f32" or "f16", as KvDestination.kv_dtype spells it.
+// "f32", "f16", "int8" or "fp8", as KvDestination.kv_dtype spells it.
 std::string KvDTypeName(const engine::KvCache& kv);
 
 // Fills the layout fields of `dst` (block_size, layers, kv heads, head dim, dtype and the

@@ -619,7 +619,7 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t st
   engine::KvCache& kv = engine_->kv();
   const int64_t bs = kv.block_size();
   const uint64_t block_bytes = kv.block_bytes();
-  const uint64_t slot_bytes = kv.slot_elems() * kv.elem_bytes();
+  const uint64_t slot_bytes = kv.slot_bytes();  // quantised slots carry their scales
   const uint8_t* k = kv.k_layer(layer);
   const uint8_t* v = kv.v_layer(layer);
   std::vector<transfer::WriteOp> ops;

@@ -11,6 +11,7 @@
 #include "tools/tandem/bench.h"
 #include "tools/tandem/client.h"
 #include "services/common/tls.h"
+#include "tandem/kernels/kv_quant.h"
 #include "tools/tandem/cluster.h"
 #include "tools/tandem/generate.h"
 #include "tools/tandem/model_tools.h"
@@ -58,12 +59,13 @@ int main(int argc, char** argv) {
   g->add_flag("--ignore-eos", gen.sampling.ignore_eos);
   g->add_option("--ctx-size", gen.ctx_size, "Context size (0: model's, at most 4096)");
   g->add_option("--batch-tokens", gen.batch_tokens, "Tokens per step (prefill chunk)");
-  g->add_option("--kv-type", gen_kv_type, "KV cache type: f32 or f16");
+  g->add_option("--kv-type,--kv-dtype", gen_kv_type, "KV cache type: f32, f16, int8 or fp8");
   g->add_flag("--json", gen.json, "Print token ids, text and timings as JSON");
   g->callback([&] {
-    auto t = ParseType(gen_kv_type);
-    if (!t.ok()) {
-      rc = Report(t.status());
+    auto t = tandem::kernels::KvTypeFromName(gen_kv_type);
+    if (!t) {
+      rc = Report(absl::InvalidArgumentError("unknown KV type '" + gen_kv_type +
+                                             "' (f32, f16, int8 or fp8)"));
       return;
     }
     gen.kv_type = *t;

@@ -8,6 +8,10 @@
 // subtracted and the exponential sum accumulated in double, then the weighted sum of values.
 // The AVX-512 path (head_dim a multiple of 16, up to 128) reads each K/V row once per GQA group
 // and takes exponentials from a polynomial; results agree with the reference to about 1e-6.
+// Quantised caches (kI8, kFp8E4M3; layout in tandem/kernels/kv_quant.h: a slot is
+// KvQuantSlotBytes bytes, codes then one f32 scale per kv head) are dequantised row by row as
+// they are read (codes times their scale, in f32, the same values on every path) and then
+// follow the same numerics, on the AVX-512 path as well.
 // Threading: (query row, KV head) items are shared out over the pool dynamically (nullptr:
 // inline). Caller owns buffers.
 #pragma once
@@ -32,7 +36,7 @@ struct PagedAttentionParams {
   int64_t n_kv_head = 0;
   int64_t head_dim = 0;
   float scale = 1.0f;
-  DType kv_type = DType::kF32;  // kF32 or kF16
+  DType kv_type = DType::kF32;  // kF32, kF16, kI8 or kFp8E4M3
   const void* k_cache = nullptr;  // this layer's K region: [block][slot][kv_head][head_dim]
   const void* v_cache = nullptr;
   int64_t block_size = 16;

@@ -19,6 +19,10 @@ enum class DType : uint32_t {
   kQ8_K = 15,  // activation-only type used by the K-quant dot products
   kBF16 = 30,
   kMXFP4 = 39,
+  // KV-cache-only types (tandem/kernels/kv_quant.h: codes plus per-slot scales), numbered
+  // outside ggml's range; GetDTypeTraits (the GGUF path) never returns them.
+  kI8 = 1024,
+  kFp8E4M3 = 1025,
 };
 
 struct DTypeTraits {
