@@ -6,10 +6,12 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "common/transfer/fault_injection.h"
 #include "services/common/grpc_server.h"
 #include "services/common/process_util.h"
 #include "services/common/registration.h"
 #include "services/common/transport_factory.h"
+#include "tandem/kernels/kv_quant.h"
 
 namespace tandem::services {
 namespace {
@@ -34,7 +36,8 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   app.add_option("--kv-blocks", f->kv_blocks, spec.kv_blocks_help)->check(CLI::NonNegativeNumber);
   app.add_option("--block-size", f->block_size, spec.block_size_help)->check(CLI::PositiveNumber);
-  app.add_option("--kv-type", f->kv_type, spec.kv_type_help)->check(CLI::IsMember({"f32", "f16"}));
+  app.add_option("--kv-type,--kv-dtype", f->kv_type, spec.kv_type_help)
+      ->check(CLI::IsMember({"f32", "f16", "int8", "fp8"}));
   app.add_option("--ctx-size", f->ctx_size, "positions per sequence (0: min(model, 4096))")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--max-seqs", f->max_seqs, spec.max_seqs_help)->check(CLI::PositiveNumber);
@@ -49,6 +52,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
                  "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
       ->check(CLI::Range(0, 65535));
   AddTlsFlags(app, &f->tls);
+  // Hidden (no group): the fault-injection suite's hook; never use it in production.
+  app.add_option("--test-fault-flip-bit-every", f->test_fault_flip_bit_every,
+                 "corrupt one bit of every Nth KV write sent (tests only)")
+      ->check(CLI::NonNegativeNumber)
+      ->group("");
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
@@ -73,7 +81,8 @@ engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {
   eo.kv_blocks = f.kv_blocks;
   eo.block_size = f.block_size;
   eo.max_batch_tokens = f.max_batch_tokens;
-  eo.kv_type = f.kv_type == "f16" ? kernels::DType::kF16 : kernels::DType::kF32;
+  // The flag's check admits only names KvTypeFromName knows.
+  eo.kv_type = kernels::KvTypeFromName(f.kv_type).value_or(kernels::DType::kF32);
   return eo;
 }
 
@@ -83,7 +92,14 @@ absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(const 
   tc.kind = f.transport;
   tc.name = f.worker_id;
   tc.ucx_tls = f.ucx_tls;
-  return CreateTransport(tc);
+  absl::StatusOr<std::unique_ptr<transfer::KvTransport>> t = CreateTransport(tc);
+  if (!t.ok() || f.test_fault_flip_bit_every <= 0) return t;
+  std::fprintf(stderr,
+               "%s: TEST FAULT INJECTION: one bit of every %d-th KV write is corrupted\n",
+               f.worker_id.c_str(), f.test_fault_flip_bit_every);
+  transfer::FaultInjectionOptions fo;
+  fo.flip_bit_every_n_writes = static_cast<uint64_t>(f.test_fault_flip_bit_every);
+  return transfer::MaybeInjectFaults(std::move(*t), fo);
 }
 
 int FailWorker(const std::string& binary, const std::string& what, const absl::Status& st) {

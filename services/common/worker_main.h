@@ -58,6 +58,9 @@ struct WorkerFlags {
   std::string cpus;
   int metrics_port = 0;  // 0: no /metrics endpoint
   TlsOptions tls;        // --tls-*: every gRPC server and client of the process (tls.h)
+  // Hidden, test-only (tests/fault): corrupt one bit of every Nth KV write this worker sends
+  // (common/transfer/fault_injection.h). 0: off.
+  int test_fault_flip_bit_every = 0;
 };
 
 // How one binary words and bounds the shared flags.

@@ -4,7 +4,7 @@
 //                 [--lease-ms L] [--max-inflight N] [--max-queue N] [--cpus LIST]
 //                 [--port-file F] [--http-port Q (OpenAI-compatible HTTP; 0: off)]
 //                 [--metrics-port M] [--slo-ttft-ms T] [--slo-itl-ms I]
-//                 [--prefill-capacity-tps X] [--decode-capacity-tps Y]
+//                 [--prefill-capacity-tps X] [--decode-capacity-tps Y] [--max-migrations N]
 //
 // Prometheus /metrics: on the HTTP port when there is one, and on --metrics-port.
 //
@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
   app.add_option("--cpus", cpus, "Pin to these CPUs, e.g. 0,2-3");
   app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
   app.add_flag("--verbose", o.verbose, "Log every request");
+  app.add_option("--max-migrations", o.max_migrations,
+                 "Times a request whose decode stream breaks mid-way moves to another worker "
+                 "(0: never)")
+      ->check(CLI::NonNegativeNumber);
   std::string api_keys, tenant_secret_file;
   app.add_option("--api-keys", api_keys,
                  "Require API keys: file of 'KEY TENANT [RPS [BURST]]' lines or JSON (docs/security.md)");

@@ -89,6 +89,8 @@ void RouterMetrics::RecordInterToken(absl::Time at, absl::Duration gap) {
   itl_.Add(at, Seconds(gap));
 }
 
+void RouterMetrics::RecordMigration() { serving_.migrations.Increment(); }
+
 void RouterMetrics::RecordEnd(absl::Duration e2e, const std::string& finished_reason,
                               int prompt_tokens, int completion_tokens) {
   serving_.e2e_request_latency.Observe(Seconds(e2e));

@@ -9,7 +9,8 @@
 // gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
 // outcome; queue time arrival -> admission; running/waiting are admission's counts;
 // request_success_total counts every admitted-or-refused request that passed validation, by
-// finish reason ("error" for a failure status, "cancelled" when the client went away).
+// finish reason ("error" for a failure status, "cancelled" when the client went away);
+// migrations_total counts decode streams moved to another worker mid-request.
 //
 // Threading: every method is thread-safe (gRPC threads record, the scrape thread refreshes).
 // Ownership: borrows the services::Metrics, which must outlive it.
@@ -49,6 +50,8 @@ class RouterMetrics {
   void RecordFirstToken(absl::Time at, absl::Duration ttft, const v1::TtftBreakdown& b);
   // A later token message reached the client `gap` after the previous one.
   void RecordInterToken(absl::Time at, absl::Duration gap);
+  // A broken decode stream was moved to another worker (tandem:migrations_total).
+  void RecordMigration();
   // The call ended. finished_reason: one of services::kFinishReasons.
   void RecordEnd(absl::Duration e2e, const std::string& finished_reason, int prompt_tokens,
                  int completion_tokens);

@@ -4,10 +4,13 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "services/common/grpc_status.h"
 #include "services/common/sampling_convert.h"
 #include "services/router/log.h"
@@ -48,7 +51,73 @@ const char* FinishName(v1::FinishReason r) {
   }
 }
 
+// Whether a decode stream that broke with `code` is worth moving to another worker: the worker
+// died, was cut off, shut down or failed inside. A refused request (INVALID_ARGUMENT,
+// NOT_FOUND, ...) would be refused again.
+bool MigratableCode(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kAborted:
+    // CANCELLED by the worker, DEADLINE_EXCEEDED of a hop: the caller checks the client's side
+    // and the request's deadline.
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A Prefill that failed before the worker could have written anything: the connection was
+// refused, or the worker turned the request away. Its decode reservation is still clean.
+bool PrefillNeverStarted(const grpc::Status& gs) {
+  if (gs.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) return true;
+  return gs.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         absl::StrContains(absl::AsciiStrToLower(gs.error_message()), "failed to connect");
+}
+
 }  // namespace
+
+// The text of a request after a migration, produced by the router exactly as the decode
+// worker's scheduler produces it (engine/runtime/scheduler.cc Emit and Finish): a streaming
+// decoder for UTF-8 and SentencePiece spaces, then the stop checker, which holds back text
+// that may begin a stop string. Replaying the tokens already sent through it rebuilds the
+// state the broken worker had, held-back bytes included.
+class InferenceService::RouterText {
+ public:
+  RouterText(const engine::Tokenizer& tok, const std::vector<int32_t>& prompt,
+             const engine::SamplingParams& sp)
+      : tok_(tok),
+        stop_(sp),
+        // As the scheduler decides it: a completion after real prompt text keeps its leading
+        // space; after a bare BOS it starts fresh.
+        decoder_(tok, /*special=*/false, std::any_of(prompt.begin(), prompt.end(), [&](int32_t t) {
+                   return t != tok.bos_id();
+                 })) {}
+
+  // One generated token; returns the text it completes (with the held text when it ends the
+  // request).
+  std::string Push(int32_t token) {
+    const bool eog = tok_.IsEog(token);
+    const std::string piece = eog ? std::string() : decoder_.Push(token);
+    std::string text = stop_.Push(token, piece, eog);
+    if (stop_.reason() != engine::FinishReason::kNone) text += stop_.Flush();
+    return text;
+  }
+  // The request ended without a token (and without an error): what was still held.
+  std::string End() { return stop_.Flush() + decoder_.Flush(); }
+  // kNone while the request runs; kStop or kLength once a token ended it.
+  engine::FinishReason reason() const { return stop_.reason(); }
+
+ private:
+  const engine::Tokenizer& tok_;
+  engine::StopChecker stop_;
+  engine::StreamingDecoder decoder_;
+};
 
 absl::Status ValidateRouterOptions(const RouterOptions& o) {
   if (o.model_path.empty()) return absl::InvalidArgumentError("model is required");
@@ -78,6 +147,10 @@ absl::Status ValidateRouterOptions(const RouterOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_block_size must be >= 1, got ", o.kv_block_size));
   }
+  if (o.max_migrations < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_migrations must be >= 0, got ", o.max_migrations));
+  }
   return absl::OkStatus();
 }
 
@@ -87,7 +160,7 @@ struct InferenceService::Call {
   std::string id;
   PreparedRequest req;
   absl::Time arrival, admitted, deadline;
-  bool relayed_any = false;  // once true, nothing may be retried
+  bool relayed_any = false;  // once true, only a migration may run the request again
   std::string prefill_worker, decode_worker, transport;
   double prefill_compute_s = 0, kv_transfer_s = 0;
   uint64_t salt = 0;  // the tenant's KV salt (auth.h TenantSalt): namespaces prefix caching
@@ -99,8 +172,35 @@ struct InferenceService::Call {
   double onboard_s = 0;    // the prefill worker's prefix onboarding time, and where from
   std::string onboard_tier;
   int32_t onboarded_tokens = 0;
+  // Migration state. sent_tokens/sent_text: everything relayed to the client so far.
+  std::vector<int32_t> sent_tokens;
+  std::string sent_text;
+  bool attempt_relayed = false;  // the current attempt (first run or a migration) relayed
+  int migrations = 0;
+  std::string decode_address;              // of c.decode_worker
+  absl::flat_hash_set<std::string> avoid;  // workers that failed this request: not picked again
+  std::unique_ptr<RouterText> text;        // set by the first migration: the router's text
 
   bool Cancelled() const { return ctx->IsCancelled(); }
+  // What the current attempt sends the workers: the request as received or, after a
+  // migration, its prompt extended by the tokens already sent and max_tokens reduced by their
+  // number. Stop strings are then the router's to find (RouterText), across the break too.
+  std::vector<int32_t> WorkPrompt() const {
+    std::vector<int32_t> p = req.prompt;
+    p.insert(p.end(), sent_tokens.begin(), sent_tokens.end());
+    return p;
+  }
+  v1::SamplingParams WorkSampling() const {
+    v1::SamplingParams s = req.sampling;
+    if (migrations > 0) {
+      s.set_max_tokens(req.engine_sampling.max_tokens - static_cast<int32_t>(sent_tokens.size()));
+      s.clear_stop();
+    }
+    return s;
+  }
+  int32_t WorkMaxTokens() const {
+    return req.engine_sampling.max_tokens - static_cast<int32_t>(sent_tokens.size());
+  }
   // Whether a failed hop should move on to another worker: the worker is down, full or slow,
   // and the request itself still has time.
   bool RetryOnAnother(const absl::Status& st) const {
@@ -207,20 +307,21 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
                         c.completion_tokens);
   }
   if (o_.verbose || !result.ok()) {
-    Logf("%s prompt=%zu completion=%d prefill=%s decode=%s finish=%s %.1f ms: %s", c.id.c_str(),
-         c.req.prompt.size(), c.completion_tokens, c.prefill_worker.c_str(),
-         c.decode_worker.c_str(), FinishName(c.finish),
+    Logf("%s prompt=%zu completion=%d prefill=%s decode=%s finish=%s migrations=%d %.1f ms: %s",
+         c.id.c_str(), c.req.prompt.size(), c.completion_tokens, c.prefill_worker.c_str(),
+         c.decode_worker.c_str(), FinishName(c.finish), c.migrations,
          absl::ToDoubleMilliseconds(absl::Now() - c.arrival), result.ToString().c_str());
   }
   return services::ToGrpcStatus(result);
 }
 
 absl::Status InferenceService::Route(Call& c) {
-  const absl::Time retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
+  absl::Time retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
   absl::Duration backoff = absl::Milliseconds(10);
   int unavailable_rounds = 0;
   while (true) {
     absl::Status st;
+    c.attempt_relayed = false;
     const PlanKind plan = registry_->Plan();
     switch (plan) {
       case PlanKind::kDisaggregated:
@@ -236,8 +337,16 @@ absl::Status InferenceService::Route(Call& c) {
             registry_->size(), " registered, counting draining ones)"));
         break;
     }
-    if (st.ok() || c.relayed_any) return st;
+    if (st.ok()) return st;
     if (c.Cancelled()) return CancelledByClient();
+    if (c.attempt_relayed) {
+      // The stream broke after tokens went out: move it, or fail it.
+      if (!StartMigration(c, st)) return st;
+      retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
+      backoff = absl::Milliseconds(10);
+      unavailable_rounds = 0;
+      continue;
+    }
     // Full pools are worth waiting for; vanished workers get a couple more tries (the
     // registry drops them within a lease); anything else is final.
     const bool full = st.code() == absl::StatusCode::kResourceExhausted;
@@ -254,93 +363,117 @@ absl::Status InferenceService::Route(Call& c) {
 }
 
 absl::Status InferenceService::RunDisaggregated(Call& c) {
-  // 1. Reserve KV on a decode worker.
-  absl::flat_hash_set<std::string> tried;
-  absl::Status last = absl::UnavailableError("no decode worker available");
-  Assignment d;
-  v1::ReserveResponse reserve;
-  while (true) {
-    d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
-    if (!d) return last;
-    tried.insert(d.worker_id());
-    v1::ReserveRequest rq;
-    rq.set_request_id(c.id);
-    rq.set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
-    rq.set_max_tokens(c.req.engine_sampling.max_tokens);
-    rq.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(o_.reserve_lease)));
-    auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
-    auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
-    reserve.Clear();
-    const grpc::Status gs = stub->Reserve(cc.get(), rq, &reserve);
-    if (gs.ok()) break;
-    const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
-                                     absl::StrCat("decode worker ", d.worker_id(), " Reserve: "));
-    // A Reserve that timed out or was cut off may still have reserved: undo it.
-    if (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
-        gs.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      CancelOnDecode(d.address(), c.id);
-    }
-    if (c.Cancelled()) return CancelledByClient();
-    if (!c.RetryOnAnother(st)) return st;
-    last = st;
-  }
-  c.decode_worker = d.worker_id();
-
-  // 2. Prefill on a prefill worker, which writes the KV into the reservation.
-  tried.clear();
-  last = absl::UnavailableError("no prefill worker available");
-  v1::PrefillResponse pr;
+  const std::vector<int32_t> prompt = c.WorkPrompt();
+  const v1::SamplingParams sampling = c.WorkSampling();
   // KV-aware choice: the prompt's block hashes as the workers compute them (their block size,
   // the tenant's salt), scored against the prefix index.
   std::vector<uint64_t> hashes;
-  if (o_.policy == Policy::kKvAware) {
-    const int32_t bs = reserve.destination().block_size() > 0
-                           ? reserve.destination().block_size()
-                           : o_.kv_block_size;
-    hashes = engine::ComputeBlockHashes(c.req.prompt, bs, c.salt);
-  }
-  while (true) {
-    Assignment p = o_.policy == Policy::kKvAware
-                       ? registry_->PickScored(Pool::kPrefill, 0, tried,
-                                               [&](const std::string& id, double load) {
-                                                 return prefix_index_.Score({id, load}, hashes);
-                                               })
-                       : registry_->Pick(Pool::kPrefill, 0, tried);
-    if (!p) {
-      CancelOnDecode(d.address(), c.id);
-      return last;
+  absl::flat_hash_set<std::string> prefill_tried = c.avoid;
+  absl::Status last;
+  Assignment d;
+  v1::ReserveResponse reserve;
+  v1::PrefillResponse pr;
+  // A prefill that may have written part of the KV before failing spoils its reservation (a
+  // write of a worker we only believe dead could still land): the reservation is released to
+  // the decode worker's quarantine and the handoff starts again on fresh blocks.
+  constexpr int kHandoffRounds = 3;
+  for (int round = 0;; ++round) {
+    // 1. Reserve KV on a decode worker.
+    absl::flat_hash_set<std::string> tried = c.avoid;
+    last = absl::UnavailableError("no decode worker available");
+    while (true) {
+      d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
+      if (!d) return last;
+      tried.insert(d.worker_id());
+      v1::ReserveRequest rq;
+      rq.set_request_id(c.id);
+      rq.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+      rq.set_max_tokens(c.WorkMaxTokens());
+      rq.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(o_.reserve_lease)));
+      auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
+      auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
+      reserve.Clear();
+      const grpc::Status gs = stub->Reserve(cc.get(), rq, &reserve);
+      if (gs.ok()) break;
+      const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
+                                       absl::StrCat("decode worker ", d.worker_id(), " Reserve: "));
+      // A Reserve that timed out or was cut off may still have reserved: undo it.
+      if (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
+          gs.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        CancelOnDecode(d.address(), c.id);
+      }
+      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.avoid.insert(d.worker_id());
+      if (c.Cancelled()) return CancelledByClient();
+      if (!c.RetryOnAnother(st)) return st;
+      last = st;
     }
-    tried.insert(p.worker_id());
-    v1::PrefillRequest preq;
-    preq.set_request_id(c.id);
-    preq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
-    *preq.mutable_sampling() = c.req.sampling;
-    *preq.mutable_destination() = reserve.destination();
-    preq.set_salt(c.salt);
-    auto cc = Child(*c.ctx, c.deadline);
-    auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
-    pr.Clear();
-    const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
-    if (gs.ok()) {
-      c.prefill_worker = p.worker_id();
-      const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
-                                           pr.cached_block_hashes().size());
-      prefix_index_.RecordWorker(p.worker_id(), held);
-      if (pr.published_blocks() > 0 || pr.kvstore_tokens() > 0) prefix_index_.RecordStore(held);
-      break;
+    c.decode_worker = d.worker_id();
+    c.decode_address = d.address();
+
+    // 2. Prefill on a prefill worker, which writes the KV into the reservation.
+    last = absl::UnavailableError("no prefill worker available");
+    if (o_.policy == Policy::kKvAware && hashes.empty()) {
+      const int32_t bs = reserve.destination().block_size() > 0 ? reserve.destination().block_size()
+                                                                : o_.kv_block_size;
+      hashes = engine::ComputeBlockHashes(prompt, bs, c.salt);
     }
-    const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
-                                     absl::StrCat("prefill worker ", p.worker_id(), ": "));
-    if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) CancelOnPrefill(p.address(), c.id);
-    if (c.Cancelled()) {
-      CancelOnDecode(d.address(), c.id);
-      return CancelledByClient();
+    bool spoiled = false;
+    while (true) {
+      Assignment p = o_.policy == Policy::kKvAware
+                         ? registry_->PickScored(Pool::kPrefill, 0, prefill_tried,
+                                                 [&](const std::string& id, double load) {
+                                                   return prefix_index_.Score({id, load}, hashes);
+                                                 })
+                         : registry_->Pick(Pool::kPrefill, 0, prefill_tried);
+      if (!p) {
+        CancelOnDecode(d.address(), c.id);
+        return last;
+      }
+      prefill_tried.insert(p.worker_id());
+      v1::PrefillRequest preq;
+      preq.set_request_id(c.id);
+      preq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+      *preq.mutable_sampling() = sampling;
+      *preq.mutable_destination() = reserve.destination();
+      preq.set_salt(c.salt);
+      auto cc = Child(*c.ctx, c.deadline);
+      auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
+      pr.Clear();
+      const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
+      if (gs.ok()) {
+        c.prefill_worker = p.worker_id();
+        const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
+                                             pr.cached_block_hashes().size());
+        prefix_index_.RecordWorker(p.worker_id(), held);
+        if (pr.published_blocks() > 0 || pr.kvstore_tokens() > 0) prefix_index_.RecordStore(held);
+        break;
+      }
+      const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
+                                       absl::StrCat("prefill worker ", p.worker_id(), ": "));
+      if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) CancelOnPrefill(p.address(), c.id);
+      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.avoid.insert(p.worker_id());
+      if (c.Cancelled()) {
+        CancelOnDecode(d.address(), c.id);
+        return CancelledByClient();
+      }
+      if (!c.RetryOnAnother(st)) {
+        CancelOnDecode(d.address(), c.id);
+        return st;
+      }
+      last = st;
+      if (!PrefillNeverStarted(gs)) {
+        spoiled = true;
+        break;
+      }
+      // Nothing was written: the reservation (it has a lease) serves the next prefill worker.
     }
-    if (!c.RetryOnAnother(st)) {
-      CancelOnDecode(d.address(), c.id);
-      return st;
+    if (!spoiled) break;
+    CancelOnDecode(d.address(), c.id);
+    if (o_.verbose) {
+      Logf("%s: %s; released the reservation on %s, starting the handoff again", c.id.c_str(),
+           last.ToString().c_str(), d.worker_id().c_str());
     }
-    last = st;  // the reservation still stands (it has a lease): try another prefill worker
+    if (round + 1 >= kHandoffRounds) return last;
   }
   c.prefill_compute_s = pr.compute_seconds();
   c.kv_transfer_s = pr.transfer_seconds();
@@ -349,39 +482,46 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   c.onboard_tier = pr.onboard_tier();
   c.onboarded_tokens = pr.onboarded_tokens();
   if (metrics_ != nullptr) {
-    metrics_->RecordPrefill(static_cast<int>(c.req.prompt.size()), pr.compute_seconds());
+    metrics_->RecordPrefill(static_cast<int>(prompt.size()), pr.compute_seconds());
   }
 
   // 3. Decode, relaying the stream.
   v1::DecodeRequest dreq;
   dreq.set_request_id(c.id);
-  dreq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
-  *dreq.mutable_sampling() = c.req.sampling;
+  dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+  *dreq.mutable_sampling() = sampling;
   dreq.set_first_token_id(pr.first_token_id());
   *dreq.mutable_block_checksums() = pr.block_checksums();
   // For the decode worker's kv_transfer_* series.
   dreq.set_kv_transfer_bytes(pr.bytes_transferred());
   dreq.set_kv_transfer_seconds(pr.transfer_seconds());
   const absl::Status st = RelayDecode(c, d, dreq);
-  if (!st.ok() && !c.relayed_any && !c.Cancelled()) CancelOnDecode(d.address(), c.id);
+  if (!st.ok() && !c.attempt_relayed && !c.Cancelled()) {
+    if (st.code() == absl::StatusCode::kUnavailable) c.avoid.insert(d.worker_id());
+    CancelOnDecode(d.address(), c.id);
+  }
   return st;
 }
 
 absl::Status InferenceService::RunColocated(Call& c) {
-  absl::flat_hash_set<std::string> tried;
+  absl::flat_hash_set<std::string> tried = c.avoid;
   absl::Status last = absl::UnavailableError("no colocated worker available");
+  const std::vector<int32_t> prompt = c.WorkPrompt();
+  const v1::SamplingParams sampling = c.WorkSampling();
   while (true) {
     Assignment w = registry_->Pick(Pool::kColocated, c.req.kv_blocks, tried);
     if (!w) return last;
     tried.insert(w.worker_id());
     c.prefill_worker = c.decode_worker = w.worker_id();
+    c.decode_address = w.address();
     v1::DecodeRequest dreq;
     dreq.set_request_id(c.id);
-    dreq.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
-    *dreq.mutable_sampling() = c.req.sampling;
+    dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+    *dreq.mutable_sampling() = sampling;
     dreq.set_prefill_locally(true);
     const absl::Status st = RelayDecode(c, w, dreq);
-    if (st.ok() || c.relayed_any || !c.RetryOnAnother(st)) return st;
+    if (st.ok() || c.attempt_relayed || !c.RetryOnAnother(st)) return st;
+    if (st.code() == absl::StatusCode::kUnavailable) c.avoid.insert(w.worker_id());
     last = st;
   }
 }
@@ -395,7 +535,37 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
   v1::GenerateResponse msg;
   bool finished = false;
   bool client_gone = false;
+  bool router_finished = false;  // the router's own stop check ended the request
+  bool worker_cancelled = false;
   while (reader->Read(&msg)) {
+    // The worker cancelled the request itself (it is shutting down, say), not the client:
+    // with a migration left, this is a broken stream, not the request's end.
+    if (msg.finished() && msg.finish_reason() == v1::FINISH_REASON_CANCELLED && !c.Cancelled() &&
+        c.migrations < o_.max_migrations) {
+      worker_cancelled = true;
+      break;
+    }
+    if (c.text != nullptr) {
+      // Migrated: the router makes the text over the whole request (see RouterText), and ends
+      // the request where its stop check says, even mid-message.
+      std::string text;
+      int kept = 0;
+      for (; kept < msg.token_ids_size() && c.text->reason() == engine::FinishReason::kNone;
+           ++kept) {
+        text += c.text->Push(msg.token_ids(kept));
+      }
+      msg.mutable_token_ids()->Truncate(kept);
+      if (c.text->reason() != engine::FinishReason::kNone) {
+        if (!msg.finished()) router_finished = true;
+        msg.set_finished(true);
+        msg.set_finish_reason(c.text->reason() == engine::FinishReason::kStop
+                                  ? v1::FINISH_REASON_STOP
+                                  : v1::FINISH_REASON_LENGTH);
+      } else if (msg.finished()) {
+        text += c.text->End();  // the worker ended it (without a token, normally)
+      }
+      msg.set_text(std::move(text));
+    }
     msg.set_request_id(c.id);
     if (msg.prefill_worker().empty()) msg.set_prefill_worker(c.prefill_worker);
     if (msg.decode_worker().empty()) msg.set_decode_worker(c.decode_worker);
@@ -441,9 +611,11 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
       finished = true;
       *msg.mutable_ttft() = c.ttft;
       c.finish = msg.finish_reason();
+      // Over the whole request: a migrated worker counts from its own start, and its prompt
+      // holds the tokens sent before the break.
       v1::Usage* u = msg.mutable_usage();
-      if (u->prompt_tokens() == 0) u->set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
-      if (u->completion_tokens() == 0) u->set_completion_tokens(c.completion_tokens);
+      u->set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
+      u->set_completion_tokens(c.completion_tokens);
       if (u->cached_prompt_tokens() == 0) u->set_cached_prompt_tokens(c.onboarded_tokens);
     }
     if (!c.writer->Write(msg)) {
@@ -452,11 +624,27 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
       break;
     }
     c.relayed_any = true;
+    c.attempt_relayed = true;
+    c.sent_tokens.insert(c.sent_tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    c.sent_text += msg.text();
+    if (router_finished) {
+      cc->TryCancel();
+      break;
+    }
   }
+  if (worker_cancelled || router_finished) cc->TryCancel();
   const grpc::Status gs = reader->Finish();
+  if (router_finished) {
+    CancelOnDecode(d.address(), c.id);
+    return absl::OkStatus();
+  }
   if (client_gone || c.Cancelled()) {
     if (!finished) CancelOnDecode(d.address(), c.id);
     return CancelledByClient();
+  }
+  if (worker_cancelled) {
+    return absl::UnavailableError(
+        absl::StrCat("decode worker ", d.worker_id(), " cancelled the request itself"));
   }
   if (!gs.ok()) {
     return Prefixed(services::FromGrpcStatus(gs),
@@ -467,6 +655,33 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
         absl::StrCat("decode worker ", d.worker_id(), " ended the stream without a final message"));
   }
   return absl::OkStatus();
+}
+
+bool InferenceService::StartMigration(Call& c, const absl::Status& st) {
+  if (c.migrations >= o_.max_migrations || !MigratableCode(st.code())) return false;
+  if (c.Cancelled() || absl::Now() >= c.deadline) return false;
+  const int32_t left = c.WorkMaxTokens();
+  if (left < 1) return false;  // every token went out; only the final message was lost
+  ++c.migrations;
+  migrations_++;
+  if (metrics_ != nullptr) metrics_->RecordMigration();
+  c.avoid.insert(c.decode_worker);
+  // A worker that still answers may still hold the sequence: free its blocks now.
+  if (st.code() != absl::StatusCode::kUnavailable) CancelOnDecode(c.decode_address, c.id);
+  if (c.text == nullptr) {
+    c.text = std::make_unique<RouterText>(model_->tokenizer(), c.req.prompt, c.req.engine_sampling);
+    std::string replay;
+    for (int32_t t : c.sent_tokens) replay += c.text->Push(t);
+    if (replay != c.sent_text) {
+      // Only if the worker's tokenizer differs from the router's; the router's text goes on.
+      Logf("%s: the router's text of the %zu tokens sent differs from the worker's", c.id.c_str(),
+           c.sent_tokens.size());
+    }
+  }
+  Logf("%s: decode worker %s broke the stream after %zu tokens (%s); migration %d of at most %d",
+       c.id.c_str(), c.decode_worker.c_str(), c.sent_tokens.size(), st.ToString().c_str(),
+       c.migrations, o_.max_migrations);
+  return true;
 }
 
 void InferenceService::CancelOnDecode(const std::string& address, const std::string& request_id) {

@@ -10,8 +10,25 @@
 // With only colocated (BOTH) workers, or either pool empty, step 3 alone goes to a colocated
 // worker with prefill_locally set. Reserve and prefill failures that another worker might not
 // have (UNAVAILABLE, RESOURCE_EXHAUSTED) move on to the next worker; when every pool is full the
-// request waits (bounded by its deadline and retry_budget) rather than failing. Once a token has
-// been relayed there is no retry.
+// request waits (bounded by its deadline and retry_budget) rather than failing. A prefill that
+// fails in a way another worker might not (it died mid-transfer, say) releases its reservation
+// (the decode worker quarantines the blocks against late writes) and the handoff starts again
+// on fresh blocks; only a prefill that provably never started (the connection was refused)
+// keeps the reservation for the next prefill worker.
+//
+// Migration: once tokens have been relayed, a decode stream that breaks (the worker died, its
+// stream was cut, it cancelled the request itself, or it failed internally; never a client
+// cancel or a refused request) is moved: the router re-runs the handoff on another worker
+// with prompt := original prompt + every token already relayed and max_tokens reduced by
+// their number, and keeps relaying, so the client sees each token exactly once, in order, with
+// usage and finish reason over the whole request. After a migration the router produces the
+// text itself (a StreamingDecoder and StopChecker replayed over the tokens already sent), so a
+// UTF-8 character or a stop string that straddles the break is neither dropped nor repeated,
+// and stop strings are the router's to detect (they are not sent to the new worker). Greedy
+// requests continue with exactly the tokens an unbroken run gives; seeded sampling continues
+// with a fresh random stream (the workers take no draw offset), so it stays a valid sample
+// but is not the unbroken run's. At most RouterOptions::max_migrations per request, each
+// counted in tandem:migrations_total.
 //
 // Deadlines and cancellation: every outgoing call is created from the incoming ServerContext,
 // so gRPC propagates the client's deadline and cancellation to it; each also gets an explicit
@@ -78,6 +95,8 @@ struct RouterOptions {
   // share KV blocks. "" is the unsalted namespace.
   std::string tenant;
   PrefixIndexOptions prefix_index;  // used by Policy::kKvAware
+  // Times one request's broken decode stream may be moved to another worker (0: never).
+  int max_migrations = 3;
 };
 
 // INVALID_ARGUMENT naming the first bad field.
@@ -111,6 +130,8 @@ class InferenceService final : public v1::Inference::Service {
 
   uint64_t requests_ok() const { return ok_.load(); }
   uint64_t requests_failed() const { return failed_.load(); }
+  // Decode streams moved to another worker since start (also tandem:migrations_total).
+  uint64_t migrations() const { return migrations_.load(); }
   // Shutdown support: once draining, new Generate calls are refused with UNAVAILABLE while
   // those already running continue; active() counts the running ones.
   void StartDraining() { draining_ = true; }
@@ -118,11 +139,15 @@ class InferenceService final : public v1::Inference::Service {
   const PrefixIndex& prefix_index() const { return prefix_index_; }
 
  private:
-  struct Call;  // one Generate in progress
+  struct Call;       // one Generate in progress
+  class RouterText;  // a migrated request's text, made by the router
   absl::Status Route(Call& c);
   absl::Status RunDisaggregated(Call& c);
   absl::Status RunColocated(Call& c);
   absl::Status RelayDecode(Call& c, const Assignment& d, const v1::DecodeRequest& dreq);
+  // After a broken stream: whether the request may move to another worker, and if so the
+  // bookkeeping of the move (counted, the old worker avoided, the text taken over).
+  bool StartMigration(Call& c, const absl::Status& st);
   void CancelOnDecode(const std::string& address, const std::string& request_id);
   void CancelOnPrefill(const std::string& address, const std::string& request_id);
   std::string NewRequestId();
@@ -141,6 +166,7 @@ class InferenceService final : public v1::Inference::Service {
   std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> ok_{0};
   std::atomic<uint64_t> failed_{0};
+  std::atomic<uint64_t> migrations_{0};
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
   absl::Mutex ids_mu_;
