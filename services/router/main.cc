@@ -67,6 +67,10 @@ int main(int argc, char** argv) {
                  "Times a request whose decode stream breaks mid-way moves to another worker "
                  "(0: never)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--prefill-retries", o.prefill_retries,
+                 "Prefill or KV transfer failures a request retries on other prefill workers "
+                 "(0: fail on the first)")
+      ->check(CLI::NonNegativeNumber);
   std::string api_keys, tenant_secret_file;
   app.add_option("--api-keys", api_keys,
                  "Require API keys: file of 'KEY TENANT [RPS [BURST]]' lines or JSON (docs/security.md)");

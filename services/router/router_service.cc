@@ -151,6 +151,10 @@ absl::Status ValidateRouterOptions(const RouterOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_migrations must be >= 0, got ", o.max_migrations));
   }
+  if (o.prefill_retries < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_retries must be >= 0, got ", o.prefill_retries));
+  }
   return absl::OkStatus();
 }
 
@@ -177,6 +181,10 @@ struct InferenceService::Call {
   std::string sent_text;
   bool attempt_relayed = false;  // the current attempt (first run or a migration) relayed
   int migrations = 0;
+  // Failed prefills / KV transfers so far, against RouterOptions::prefill_retries; once past
+  // it the request fails and nothing retries it.
+  int prefill_failures = 0;
+  bool retries_exhausted = false;
   std::string decode_address;              // of c.decode_worker
   absl::flat_hash_set<std::string> avoid;  // workers that failed this request: not picked again
   std::unique_ptr<RouterText> text;        // set by the first migration: the router's text
@@ -290,6 +298,9 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
         admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); });
     if (!slot.ok()) {
       result = slot.status();
+      // Full: say when to come back, as the rate limiter does (the HTTP front door turns it into
+      // a Retry-After header). A queue slot turns over within about a request's time.
+      if (absl::IsResourceExhausted(result)) ctx->AddTrailingMetadata("retry-after", "1");
     } else {
       c.admitted = absl::Now();
       if (metrics_ != nullptr) metrics_->RecordAdmitted(c.admitted - c.arrival);
@@ -347,6 +358,7 @@ absl::Status InferenceService::Route(Call& c) {
       unavailable_rounds = 0;
       continue;
     }
+    if (c.retries_exhausted) return st;  // the prefill retry policy said fail
     // Full pools are worth waiting for; vanished workers get a couple more tries (the
     // registry drops them within a lease); anything else is final.
     const bool full = st.code() == absl::StatusCode::kResourceExhausted;
@@ -456,11 +468,20 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
         CancelOnDecode(d.address(), c.id);
         return CancelledByClient();
       }
-      if (!c.RetryOnAnother(st)) {
+      if (++c.prefill_failures > o_.prefill_retries) c.retries_exhausted = true;
+      if (!c.RetryOnAnother(st) || c.retries_exhausted) {
         CancelOnDecode(d.address(), c.id);
         return st;
       }
       last = st;
+      // Back off before the next worker: what broke one (a restarting node, a saturated link)
+      // often touches its neighbours for a moment. Bounded by the deadline and cancellable.
+      const absl::Time until =
+          std::min(c.deadline, absl::Now() + std::min(absl::Milliseconds(10 << c.prefill_failures),
+                                                      absl::Milliseconds(200)));
+      while (absl::Now() < until && !c.Cancelled()) {
+        absl::SleepFor(std::min(absl::Milliseconds(10), until - absl::Now()));
+      }
       if (!PrefillNeverStarted(gs)) {
         spoiled = true;
         break;

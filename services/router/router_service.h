@@ -97,6 +97,10 @@ struct RouterOptions {
   PrefixIndexOptions prefix_index;  // used by Policy::kKvAware
   // Times one request's broken decode stream may be moved to another worker (0: never).
   int max_migrations = 3;
+  // Prefill or KV-transfer failures (worker down, transfer failed or timed out) one request may
+  // retry on other prefill workers, with a short backoff, before it fails; every failure
+  // releases or reuses the decode reservation, never leaks it. 0: fail on the first.
+  int prefill_retries = 3;
 };
 
 // INVALID_ARGUMENT naming the first bad field.

@@ -4,6 +4,7 @@
 // and cancellation propagation, admission limits, draining, leases and selection policies.
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -219,6 +220,7 @@ class RouterTest : public ::testing::Test {
     std::vector<v1::GenerateResponse> messages;
     std::vector<int32_t> tokens;
     std::string text;
+    std::multimap<std::string, std::string> trailers;
   };
   Outcome Run(const v1::GenerateRequest& req, absl::Duration timeout = absl::Seconds(20)) {
     grpc::ClientContext cc;
@@ -232,6 +234,9 @@ class RouterTest : public ::testing::Test {
       out.text += m.text();
     }
     out.status = reader->Finish();
+    for (const auto& [k, v] : cc.GetServerTrailingMetadata()) {
+      out.trailers.emplace(std::string(k.data(), k.size()), std::string(v.data(), v.size()));
+    }
     return out;
   }
 
@@ -543,6 +548,54 @@ TEST_F(RouterTest, FailedPrefillReleasesTheReservation) {
   EXPECT_TRUE(decode.rec.decodes.empty());
 }
 
+// The retry policy: a KV transfer that fails (UNAVAILABLE from the prefill worker) is retried on
+// another prefill worker by default, and fails the request at once with prefill_retries = 0;
+// either way the spoiled reservation is released.
+TEST_F(RouterTest, PrefillRetriesDecideRetryOrFail) {
+  for (const int retries : {3, 0}) {
+    SCOPED_TRACE(retries);
+    RouterOptions o;
+    o.prefill_retries = retries;
+    StartRouter(o);
+    FakeDecode& decode = Own<FakeDecode>("d0");
+    FakePrefill& broken = Own<FakePrefill>();
+    broken.status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "kv transfer to d0 timed out");
+    FakePrefill& good = Own<FakePrefill>();
+    Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+    Add(&broken, "p0-broken", v1::WORKER_ROLE_PREFILL);
+    Add(&good, "p1", v1::WORKER_ROLE_PREFILL);
+    v1::GenerateRequest req = TextRequest("hi");
+    req.set_request_id(absl::StrCat("r", retries));
+    // The registry hands out equally loaded workers round-robin: send until the broken one has
+    // had a request, and judge that request.
+    Outcome out;
+    for (int i = 0; i < 4; ++i) {
+      req.set_request_id(absl::StrCat("r", retries, "-", i));
+      out = Run(req);
+      absl::MutexLock l(&broken.rec.mu);
+      if (!broken.rec.prefills.empty()) break;
+    }
+    {
+      absl::MutexLock l(&broken.rec.mu);
+      ASSERT_FALSE(broken.rec.prefills.empty());
+    }
+    if (retries > 0) {
+      ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+      EXPECT_EQ(out.messages.back().prefill_worker(), "p1");
+    } else {
+      EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+      EXPECT_NE(out.status.error_message().find("p0-broken"), std::string::npos);
+      absl::MutexLock l(&good.rec.mu);
+      EXPECT_TRUE(good.rec.prefills.empty() ||
+                  good.rec.prefills.back().request_id() != req.request_id());
+    }
+    absl::MutexLock l(&decode.rec.mu);
+    EXPECT_FALSE(decode.rec.cancels.empty());  // the spoiled reservation went back
+    router_->Shutdown(absl::ZeroDuration());
+    router_.reset();
+  }
+}
+
 TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   RouterOptions o;
   o.max_inflight = 1;
@@ -561,6 +614,8 @@ TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   ASSERT_TRUE(reader->Read(&m));  // the first request holds the only slot
   Outcome second = Run(TextRequest("hi"));
   EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  ASSERT_EQ(second.trailers.count("retry-after"), 1u);  // when to come back
+  EXPECT_EQ(second.trailers.find("retry-after")->second, "1");
   cc.TryCancel();
   while (reader->Read(&m)) {
   }
