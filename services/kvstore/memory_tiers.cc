@@ -33,6 +33,8 @@ DeviceTier::DeviceTier(uint64_t num_slots, uint64_t slot_bytes)
     : num_slots_(num_slots), slot_bytes_(slot_bytes), arena_(new uint8_t[num_slots * slot_bytes]) {
   free_slots_.reserve(num_slots);
   for (uint64_t i = num_slots; i > 0; --i) free_slots_.push_back(static_cast<uint32_t>(i - 1));
+  // Fault the arena in now, as a device allocation would be ready, not on the first blocks.
+  std::memset(arena_.get(), 0, num_slots * slot_bytes);
 }
 
 std::string DeviceTier::name() const {
