@@ -116,10 +116,10 @@ def write(target, files):
 
 def main():
     write("gguf_fuzz", {
-        "tiny_llama.gguf": tiny_gguf(),
-        "vocab_only.gguf": tiny_gguf(with_tensor=False),
-        "gpt2_model.gguf": tiny_gguf(with_tensor=False, model="gpt2"),
-        "truncated.gguf": tiny_gguf()[:100],
+        "tiny_llama": tiny_gguf(),
+        "vocab_only": tiny_gguf(with_tensor=False),
+        "gpt2_model": tiny_gguf(with_tensor=False, model="gpt2"),
+        "truncated": tiny_gguf()[:100],
         "empty": b"",
     })
     texts = ["Hello world", " leading space", "<s> special </s>", "\u00e9t\u00e9 \u2603 \U0001F600",
