@@ -24,6 +24,15 @@ std::shared_ptr<const engine::Model> LoadTestModel(const std::string& which);
 
 engine::EngineOptions TestEngineOptions(int max_batch_tokens, kernels::DType kv_type);
 
+// Greedy decoding of exactly `max_tokens` tokens (EOS ignored), so runs compare token for token.
+inline engine::SamplingParams Greedy(int max_tokens) {
+  engine::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = true;
+  return sp;
+}
+
 // Deterministic prompt: BOS then pseudo-random ids in [3, 253).
 std::vector<int32_t> TestPrompt(int n, uint32_t seed);
 

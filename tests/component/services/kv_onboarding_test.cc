@@ -17,14 +17,6 @@
 namespace tandem::testing {
 namespace {
 
-engine::SamplingParams Greedy(int max_tokens) {
-  engine::SamplingParams sp;
-  sp.temperature = 0;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
-}
-
 engine::SamplingParams Seeded(int max_tokens, uint64_t seed) {
   engine::SamplingParams sp = Greedy(max_tokens);
   sp.temperature = 0.8f;

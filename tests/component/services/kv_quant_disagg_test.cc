@@ -16,14 +16,6 @@ namespace {
 
 using kernels::DType;
 
-engine::SamplingParams Greedy(int max_tokens) {
-  engine::SamplingParams sp;
-  sp.temperature = 0;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
-}
-
 struct Param {
   std::string model;
   DType kv_type;

@@ -35,14 +35,6 @@ std::string Success(const std::string& reason, const std::string& role) {
          "\",model_name=\"tiny\",role=\"" + role + "\"}";
 }
 
-engine::SamplingParams Greedy(int max_tokens) {
-  engine::SamplingParams sp;
-  sp.temperature = 0;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
-}
-
 // Reads a stream to its final event; returns the events with a token and the final status.
 struct Drained {
   int tokens = 0;

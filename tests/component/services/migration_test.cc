@@ -33,14 +33,6 @@ constexpr int kMaxTokens = 120;
 constexpr int kStepsBeforeKill = 15;
 constexpr char kRequestId[] = "migrating";
 
-engine::SamplingParams Greedy(int max_tokens) {
-  engine::SamplingParams sp;
-  sp.temperature = 0;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
-}
-
 // One engine::Scheduler run, with the text each token completed (for choosing a stop string
 // that straddles the break).
 struct Reference {
