@@ -21,25 +21,16 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/shell_util.h"
 
 namespace tandem::testing {
 namespace {
 
+using ::tandem::testing::Quote;
+using ::tandem::testing::Slurp;
+
 namespace fs = std::filesystem;
 namespace v1 = tandem::v1;
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 std::unique_ptr<grpc::ClientContext> Deadline(absl::Duration d) {
   auto cc = std::make_unique<grpc::ClientContext>();

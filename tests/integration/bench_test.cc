@@ -20,8 +20,12 @@
 #include "tests/fakes/child_process.h"
 #include "nlohmann/json.hpp"
 #include "tests/unit/services/metrics_scrape.h"
+#include "tests/fakes/shell_util.h"
 
 namespace {
+
+using ::tandem::testing::Quote;
+using ::tandem::testing::Slurp;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -29,19 +33,6 @@ using ::tandem::testing::FreePort;
 
 const fs::path kModel = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K" / "stories260K.gguf";
 const std::string kBin = TANDEM_BIN_DIR;
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Runs `tandem ARGS`; returns the exit code, stdout+stderr in *out.
 int Tandem(const std::string& args, std::string* out, int timeout_s = 60) {

@@ -12,8 +12,11 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/shell_util.h"
 
 namespace {
+
+using ::tandem::testing::Slurp;
 
 namespace fs = std::filesystem;
 
@@ -42,13 +45,6 @@ Result RunTandem(const std::string& args) {
   r.err = slurp(tmp / "err");
   fs::remove_all(tmp);
   return r;
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
 }
 
 const fs::path kStories = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K";

@@ -31,8 +31,12 @@
 #include "nlohmann/json.hpp"
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "tests/fakes/shell_util.h"
 
 namespace {
+
+using ::tandem::testing::Quote;
+using ::tandem::testing::Slurp;
 
 namespace fs = std::filesystem;
 namespace v1 = tandem::v1;
@@ -48,19 +52,6 @@ struct Result {
   int exit_code = -1;
   std::string out, err;
 };
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Runs the tandem CLI (arguments already quoted), killed after `timeout_s`.
 Result RunTandem(const std::string& args, int timeout_s = 120) {

@@ -27,8 +27,11 @@
 #include "nlohmann/json.hpp"
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "tests/fakes/shell_util.h"
 
 namespace {
+
+using ::tandem::testing::Slurp;
 
 namespace fs = std::filesystem;
 namespace v1 = tandem::v1;
@@ -40,13 +43,6 @@ constexpr int kGraceMs = 15000;
 // Long enough that every stream is still decoding when the signal lands (about 2 s here).
 constexpr int kLongTokens = 1200;
 constexpr int kStreams = 6;
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Runs the tandem CLI, killed after `timeout_s`; returns its exit code, output in *out.
 int RunTandem(const std::string& args, std::string* out, int timeout_s = 120) {

@@ -23,8 +23,12 @@
 #include "gtest/gtest.h"
 #include "tests/fakes/child_process.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/shell_util.h"
 
 namespace {
+
+using ::tandem::testing::Quote;
+using ::tandem::testing::Slurp;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -39,19 +43,6 @@ struct Result {
   int exit_code = -1;
   std::string out, err;
 };
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 Result RunCommand(const std::string& cmd, int timeout_s) {
   static std::atomic<int> seq{0};

@@ -11,17 +11,13 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/shell_util.h"
 
 namespace {
 
-namespace fs = std::filesystem;
+using ::tandem::testing::Slurp;
 
-std::string Slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+namespace fs = std::filesystem;
 
 // Family names used in the dashboard's expressions, histogram series suffixes removed.
 std::set<std::string> DashboardFamilies(const nlohmann::json& dash, int* exprs) {
