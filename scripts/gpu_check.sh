@@ -18,11 +18,12 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L || true
 
 echo "== configure ($BUILD, sm_$CUDA_ARCH)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" | grep -E "tandem: CUDA|Error" || true
+  -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DTANDEM_ENGINE_CUDA=ON | grep -E "tandem: CUDA|Error" || true
 grep -q '^CMAKE_CUDA_COMPILER:' "$BUILD/CMakeCache.txt" || { echo "gpu-check: CUDA not configured" >&2; exit 1; }
 
 echo "== build"
-cmake --build "$BUILD" -j "$JOBS" --target cuda_kernels_test cuda_kernel_bench kernel_refs_test
+cmake --build "$BUILD" -j "$JOBS" --target cuda_kernels_test cuda_kernel_bench kernel_refs_test \
+  cuda_engine_test
 
 echo "== gpu tests"
 LOG=$(mktemp)

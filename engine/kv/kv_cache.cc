@@ -25,6 +25,9 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
                      std::string(kernels::Traits(o.type).name)));
   }
   const size_t size = RequiredBytes(o);
+  if (o.device_memory && o.external_memory == nullptr) {
+    return absl::InvalidArgumentError("a KV cache in device memory needs that memory provided");
+  }
   if (o.external_memory != nullptr) {
     if (o.external_bytes < size) {
       return absl::InvalidArgumentError(absl::StrCat("external KV memory has ", o.external_bytes,

@@ -37,6 +37,11 @@ struct KvCacheOptions {
   // keeps it alive and unmaps it after the cache is gone.
   void* external_memory = nullptr;
   uint64_t external_bytes = 0;
+  // external_memory is accelerator memory (a CUDA engine's pool): the cache hands out its
+  // addresses but never reads or writes the bytes on the host, and Write must not be called.
+  // Whoever reads KV bytes on the host (checksums, transfers from host memory) checks
+  // on_device() first.
+  bool device_memory = false;
 };
 
 class KvCache {
@@ -74,10 +79,13 @@ class KvCache {
     return base_ + (2 * size_t(layer) + 1) * layer_bytes();
   }
   size_t layer_bytes() const { return size_t(o_.num_blocks) * block_bytes(); }
+  // The whole pool; device memory when on_device() (not addressable on the host).
   std::span<uint8_t> memory() { return {base_, size_}; }
+  bool on_device() const { return o_.device_memory; }
 
   // Stores one token's K and V (slot_elems floats each) of `layer` at position `pos` of the
   // sequence whose block table is `blocks`, converting to (or quantising into) the cache type.
+  // Host caches only (see KvCacheOptions::device_memory).
   void Write(int32_t layer, std::span<const int32_t> blocks, int64_t pos, const float* k,
              const float* v);
 

@@ -8,11 +8,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
+#include "engine/runtime/device_forward.h"
 #include "tandem/kernels/activation.h"
 #include "tandem/kernels/attention.h"
 #include "tandem/kernels/matmul.h"
 #include "tandem/kernels/norm.h"
 #include "tandem/kernels/rope.h"
+
+#if defined(TANDEM_HAVE_CUDA)
+#include "engine/runtime/cuda/cuda_forward.h"
+#endif
 
 namespace tandem::engine {
 namespace {
@@ -97,6 +102,14 @@ KvCacheOptions KvOptions(const Model& model, const EngineOptions& o) {
 
 }  // namespace
 
+const char* DeviceName(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
+
+std::optional<Device> DeviceFromName(std::string_view name) {
+  if (name == "cpu") return Device::kCpu;
+  if (name == "cuda") return Device::kCuda;
+  return std::nullopt;
+}
+
 absl::StatusOr<uint64_t> Engine::KvBytes(const Model& model, const EngineOptions& opts) {
   TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(model, opts));
   return KvCache::RequiredBytes(KvOptions(model, o));
@@ -105,13 +118,36 @@ absl::StatusOr<uint64_t> Engine::KvBytes(const Model& model, const EngineOptions
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
                                                        const EngineOptions& opts) {
   TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(*model, opts));
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(KvOptions(*model, o)));
-  return std::unique_ptr<Engine>(new Engine(std::move(model), o, std::move(kv)));
+  KvCacheOptions ko = KvOptions(*model, o);
+  std::unique_ptr<DeviceForward> device;
+  if (o.device == Device::kCuda) {
+#if defined(TANDEM_HAVE_CUDA)
+    TANDEM_ASSIGN_OR_RETURN(device, CreateCudaForward(model, o, KvCache::RequiredBytes(ko)));
+    if (ko.external_memory == nullptr) {
+      ko.external_memory = device->kv_memory();
+      ko.external_bytes = KvCache::RequiredBytes(ko);
+    }
+    ko.device_memory = true;
+#else
+    return absl::FailedPreconditionError(
+        "device cuda: this tandem was built without CUDA (nvcc was not found at configure time, "
+        "TANDEM_ENABLE_CUDA is OFF, or TANDEM_ENGINE_CUDA is not ON); rebuild with the CUDA "
+        "toolkit and -DTANDEM_ENGINE_CUDA=ON, or use device cpu");
+#endif
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(ko));
+  return std::unique_ptr<Engine>(new Engine(std::move(model), o, std::move(device), std::move(kv)));
 }
 
 Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
-               std::unique_ptr<KvCache> kv)
-    : model_(std::move(model)), o_(o), kv_(std::move(kv)), pool_(o.threads) {}
+               std::unique_ptr<DeviceForward> device, std::unique_ptr<KvCache> kv)
+    : model_(std::move(model)),
+      o_(o),
+      device_(std::move(device)),
+      kv_(std::move(kv)),
+      pool_(o.threads) {}
+
+Engine::~Engine() = default;
 
 absl::Status Engine::Validate(std::span<const SeqChunk> chunks, int64_t* n_tokens) const {
   const int32_t vocab = model_->config().n_vocab;
@@ -155,6 +191,7 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
                           const std::function<void(int32_t layer)>& on_layer_done) {
   int64_t T = 0;
   TANDEM_RETURN_IF_ERROR(Validate(chunks, &T));
+  if (device_ != nullptr) return device_->Step(chunks, T, *kv_, logits, on_layer_done);
   const ModelConfig& c = model_->config();
   const int64_t d = c.n_embd;
   const int64_t q_dim = int64_t{c.n_head} * c.head_dim;

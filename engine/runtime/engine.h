@@ -10,12 +10,20 @@
 // Block allocation belongs to the caller (the scheduler, or a decode service that reserved
 // blocks for a remote prefill): a chunk's block table must already cover its positions.
 // Threading: one thread calls Step at a time; Step uses the engine's thread pool inside.
+//
+// Devices: EngineOptions::device picks where the forward pass runs. kCpu is the SIMD CPU
+// path below. kCuda (engine/runtime/cuda/) uploads the weights to the GPU at Create, keeps the
+// KV pool in device memory (kv().on_device()) and runs every layer there; Step copies back only
+// the logits asked for. Callers see the same Step API either way; only code that reads KV bytes
+// on the host (checksums, host-memory transfers) has to check kv().on_device().
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -25,6 +33,10 @@
 #include "tandem/kernels/attention.h"
 
 namespace tandem::engine {
+
+enum class Device { kCpu, kCuda };
+
+class DeviceForward;  // engine/runtime/device_forward.h
 
 struct EngineOptions {
   int32_t threads = 1;
@@ -36,10 +48,18 @@ struct EngineOptions {
   kernels::DType kv_type = kernels::DType::kF32;
   int32_t max_batch_tokens = 512;  // tokens per step (chunked prefill splits longer prompts)
   // Optional memory for the KV cache (see KvCacheOptions::external_memory); query the size
-  // with Engine::KvBytes first.
+  // with Engine::KvBytes first. With kCuda it must be device memory of the current device.
   void* kv_memory = nullptr;
   uint64_t kv_memory_bytes = 0;
+  // kCuda: weights and KV pool on the calling thread's current CUDA device. Create fails with
+  // FAILED_PRECONDITION when tandem was built without CUDA or no device is visible, and with
+  // INVALID_ARGUMENT naming the tensor when a weight's type has no GPU path.
+  Device device = Device::kCpu;
 };
+
+// "cpu" / "cuda" (flags and logs); DeviceFromName is nullopt for anything else.
+const char* DeviceName(Device d);
+std::optional<Device> DeviceFromName(std::string_view name);
 
 struct SeqChunk {
   std::span<const int32_t> tokens;
@@ -52,6 +72,7 @@ class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
                                                         const EngineOptions& o);
+  ~Engine();
   // Bytes of KV memory Create will need for these options (after defaults are applied).
   static absl::StatusOr<uint64_t> KvBytes(const Model& model, const EngineOptions& o);
 
@@ -60,7 +81,8 @@ class Engine {
   // n_vocab floats for each chunk with want_logits, in chunk order.
   // on_layer_done(l), when given, runs on the calling thread as soon as layer l's K/V of every
   // chunk are in the cache, so a prefill worker can start sending layer l while later layers
-  // compute.
+  // compute. (With kCuda the device has finished layer l's K/V writes when it runs.)
+  // A device failure mid-step is INTERNAL with the CUDA error.
   absl::Status Step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
                     const std::function<void(int32_t layer)>& on_layer_done = nullptr);
 
@@ -72,11 +94,12 @@ class Engine {
 
  private:
   Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
-         std::unique_ptr<KvCache> kv);
+         std::unique_ptr<DeviceForward> device, std::unique_ptr<KvCache> kv);
   absl::Status Validate(std::span<const SeqChunk> chunks, int64_t* n_tokens) const;
 
   std::shared_ptr<const Model> model_;
   EngineOptions o_;
+  std::unique_ptr<DeviceForward> device_;  // null on the CPU; owns device KV memory it made
   std::unique_ptr<KvCache> kv_;
   util::ThreadPool pool_;
 

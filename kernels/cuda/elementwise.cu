@@ -53,6 +53,22 @@ __global__ void SwiGluKernel(const float* gate, const float* up, float* out, int
   }
 }
 
+__global__ void AddKernel(float* x, const float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    x[i] += y[i];
+  }
+}
+
+// grid.y = row (at most 65535 per launch; the host loops over larger row counts).
+__global__ void AddBiasKernel(float* x, const float* bias, int64_t n, int64_t stride) {
+  float* row = x + blockIdx.y * stride;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    row[i] += bias[i];
+  }
+}
+
 }  // namespace
 
 absl::Status RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t n,
@@ -86,6 +102,29 @@ absl::Status SwiGlu(const float* gate, const float* up, float* out, int64_t n, S
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
   SwiGluKernel<<<blocks, 256, 0, stream>>>(gate, up, out, n);
   return TANDEM_CUDA_LAUNCH_STATUS("cuda::SwiGlu launch");
+}
+
+absl::Status AddInPlace(float* x, const float* y, int64_t n, Stream stream) {
+  if (n < 0) return absl::InvalidArgumentError("cuda::AddInPlace: negative length");
+  if (n == 0) return absl::OkStatus();
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  AddKernel<<<blocks, 256, 0, stream>>>(x, y, n);
+  return TANDEM_CUDA_LAUNCH_STATUS("cuda::AddInPlace launch");
+}
+
+absl::Status AddBias(float* x, const float* bias, int64_t rows, int64_t n, int64_t stride,
+                     Stream stream) {
+  if (rows < 0 || n <= 0 || (stride != 0 && stride < n)) {
+    return absl::InvalidArgumentError("cuda::AddBias: bad shape");
+  }
+  if (stride == 0) stride = n;
+  const unsigned blocks_x = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 64));
+  for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
+    const unsigned nr = static_cast<unsigned>(std::min<int64_t>(rows - r0, 65535));
+    AddBiasKernel<<<dim3(blocks_x, nr), 256, 0, stream>>>(x + r0 * stride, bias, n, stride);
+    if (absl::Status st = TANDEM_CUDA_LAUNCH_STATUS("cuda::AddBias launch"); !st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tandem::kernels::cuda

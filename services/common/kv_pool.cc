@@ -1,18 +1,41 @@
 #include "services/common/kv_pool.h"
 
 #include <span>
+#include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
 
 namespace tandem::services {
+
+absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
+                                    const transfer::KvTransport* transport) {
+  if (options.device == engine::Device::kCpu) return absl::OkStatus();
+  const std::string name = transport == nullptr ? "none" : transport->capabilities().name;
+  if (transport == nullptr || !transport->capabilities().device_memory) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device ", engine::DeviceName(options.device),
+        " keeps the KV pool in GPU memory, which the KV transport '", name,
+        "' cannot register or read; a GPU worker needs a transport with device-memory support "
+        "(UCX built with CUDA: the cuda_copy/cuda_ipc transports, which Debian's libucx lacks; "
+        "or NCCL). Use --device cpu here, or `tandem generate --device cuda` for a "
+        "single-process GPU run"));
+  }
+  return absl::UnimplementedError(absl::StrCat(
+      "--device ", engine::DeviceName(options.device), " with transport '", name,
+      "': the worker's KV checksums, prefix onboarding and kvstore publishing read the pool on "
+      "the host and have no device variant yet"));
+}
 
 absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine::Model> model,
                                                     const engine::EngineOptions& options,
                                                     transfer::KvTransport* transport) {
   engine::EngineOptions eo = options;
   EngineInRegion out;
-  if (transport != nullptr) {
+  // Transport-allocated memory is host memory; a GPU engine's pool is its own device memory,
+  // registered below.
+  if (transport != nullptr && eo.device == engine::Device::kCpu) {
     TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes, engine::Engine::KvBytes(*model, eo));
     absl::StatusOr<transfer::AllocatedRegion> a = transport->AllocateRegion(bytes);
     if (a.ok()) {

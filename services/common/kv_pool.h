@@ -25,6 +25,17 @@ struct EngineInRegion {
   bool in_transport_memory = false;                  // the pool is transport-allocated memory
 };
 
+// Whether a worker can keep its KV pool where `options.device` puts it, moving KV with
+// `transport` (null: none). A host pool always can. A pool in GPU memory (Device::kCuda) needs a
+// transport that registers and reads device memory (Capabilities::device_memory: UCX built with
+// CUDA support, or NCCL); Debian's UCX has no CUDA support, and staging every transfer through
+// host memory would hide that cost, so this refuses with FAILED_PRECONDITION naming what is
+// needed. Even with such a transport the workers' per-block checksums, prefix onboarding and
+// kvstore publishing still read KV bytes on the host, so a GPU pool is UNIMPLEMENTED there until
+// they have device variants. Called by both workers before they create their engine.
+absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
+                                    const transfer::KvTransport* transport);
+
 // Creates the engine; with a transport, its KV pool becomes one registered region. Without
 // one (nullptr) the engine maps its own pool and nothing is registered. On error nothing is
 // left registered or allocated.

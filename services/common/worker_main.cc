@@ -38,6 +38,10 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--block-size", f->block_size, spec.block_size_help)->check(CLI::PositiveNumber);
   app.add_option("--kv-type,--kv-dtype", f->kv_type, spec.kv_type_help)
       ->check(CLI::IsMember({"f32", "f16", "int8", "fp8"}));
+  app.add_option("--device", f->device,
+                 "cpu, or cuda: weights and KV pool on the GPU; the pool must then be registered "
+                 "with a transport that can hold device memory (docs/perf/cuda.md)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--ctx-size", f->ctx_size, "positions per sequence (0: min(model, 4096))")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--max-seqs", f->max_seqs, spec.max_seqs_help)->check(CLI::PositiveNumber);
@@ -83,6 +87,7 @@ engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {
   eo.max_batch_tokens = f.max_batch_tokens;
   // The flag's check admits only names KvTypeFromName knows.
   eo.kv_type = kernels::KvTypeFromName(f.kv_type).value_or(kernels::DType::kF32);
+  eo.device = engine::DeviceFromName(f.device).value_or(engine::Device::kCpu);
   return eo;
 }
 

@@ -49,6 +49,7 @@ struct WorkerFlags {
   int kv_blocks = 0;
   int block_size = 16;
   std::string kv_type = "f32";
+  std::string device = "cpu";  // cpu or cuda (engine and KV pool on the GPU)
   int ctx_size = 0;
   int max_seqs = 8;
   int max_batch_tokens = 512;

@@ -59,6 +59,7 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   if (o.quarantine < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("quarantine must be >= 0");
   }
+  TANDEM_RETURN_IF_ERROR(services::CheckWorkerKvPlacement(o.engine, o.transport));
   // The whole pool is one region, registered once (kv_pool.h).
   TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e, services::CreateEngineInRegion(o.model, o.engine, o.transport));
   std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine)));

@@ -69,6 +69,7 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
     const PrefillWorkerOptions& o) {
   if (o.model == nullptr) return absl::InvalidArgumentError("prefill worker needs a model");
   if (o.transport == nullptr) return absl::InvalidArgumentError("prefill worker needs a transport");
+  TANDEM_RETURN_IF_ERROR(services::CheckWorkerKvPlacement(o.engine, o.transport));
   // With a kvstore the local pool is a registered region (the store writes onboarded blocks
   // into it): transport-allocated memory where the transport offers it, as decode does.
   const bool with_store = !o.kvstore.address.empty();

@@ -105,6 +105,31 @@ TEST_F(StoriesTest, PromptLongerThanContextIsACleanError) {
   EXPECT_NE(r.err.find("context"), std::string::npos) << r.err;
 }
 
+// --device cuda either runs (a CUDA build on a GPU machine: the JSON says so and has every
+// token) or fails at start with FAILED_PRECONDITION saying why; it never crashes.
+TEST_F(StoriesTest, DeviceCudaRunsOrFailsCleanly) {
+  Result r = RunTandem("generate --model " + (kStories / "stories260K.gguf").string() +
+                       " --prompt 'Once upon a time' --max-tokens 16 --temperature 0"
+                       " --kv-type f16 --device cuda --json");
+  if (r.exit_code == 0) {
+    auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["device"], "cuda");
+    EXPECT_EQ(j["tokens"].size(), 16u);
+    return;
+  }
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("FAILED_PRECONDITION"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.err.find("built without CUDA") != std::string::npos ||
+              r.err.find("no CUDA device") != std::string::npos)
+      << r.err;
+}
+
+TEST(CliTest, UnknownDeviceIsAnInvalidArgument) {
+  Result r = RunTandem("generate --model /nonexistent/m.gguf --prompt hi --device tpu");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("unknown device 'tpu'"), std::string::npos) << r.err;
+}
+
 TEST(CliTest, TruncatedModelIsACleanError) {
   const fs::path p = fs::temp_directory_path() / ("trunc-" + std::to_string(getpid()) + ".gguf");
   {

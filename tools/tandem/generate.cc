@@ -35,9 +35,13 @@ const char* ReasonName(engine::FinishReason r) {
 
 absl::Status RunGenerate(const GenerateOptions& o) {
   const auto t_start = Clock::now();
+  // The CUDA engine uploads GGUF rows, so repacking them for the CPU would be wasted work.
+  engine::ModelLoadOptions lo;
+  lo.pack_weights = o.device == engine::Device::kCpu;
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Model> model,
-                          engine::Model::Load(o.model_path));
+                          engine::Model::Load(o.model_path, lo));
   engine::EngineOptions eo;
+  eo.device = o.device;
   eo.threads = o.threads;
   eo.ctx_size = o.ctx_size;
   eo.max_seqs = 1;
@@ -96,6 +100,7 @@ absl::Status RunGenerate(const GenerateOptions& o) {
     j["tokens"] = generated;
     j["text"] = text;
     j["finish_reason"] = ReasonName(reason);
+    j["device"] = engine::DeviceName(o.device);
     j["timings"] = {
         {"load_ms", MsSince(t_start, t_loaded)},
         {"ttft_ms", prompt_ms},

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "engine/runtime/engine.h"
 #include "engine/sampling/sampler.h"
 #include "tandem/kernels/dtype.h"
 
@@ -18,6 +19,8 @@ struct GenerateOptions {
   int32_t ctx_size = 0;
   int32_t batch_tokens = 512;
   kernels::DType kv_type = kernels::DType::kF32;
+  // kCuda: weights and KV cache on the GPU (engine/runtime/cuda/cuda_forward.h).
+  engine::Device device = engine::Device::kCpu;
   bool json = false;
 };
 

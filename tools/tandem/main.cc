@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   // generate
   tandem::tools::GenerateOptions gen;
   std::string gen_kv_type = "f32";
+  std::string gen_device = "cpu";
   auto* g = app.add_subcommand("generate", "Generate text in-process on this node");
   g->add_option("--model", gen.model_path, "GGUF model file")->required();
   g->add_option("--prompt", gen.prompt, "Prompt text");
@@ -60,8 +61,16 @@ int main(int argc, char** argv) {
   g->add_option("--ctx-size", gen.ctx_size, "Context size (0: model's, at most 4096)");
   g->add_option("--batch-tokens", gen.batch_tokens, "Tokens per step (prefill chunk)");
   g->add_option("--kv-type,--kv-dtype", gen_kv_type, "KV cache type: f32, f16, int8 or fp8");
+  g->add_option("--device", gen_device,
+                "cpu, or cuda: weights and KV cache on the GPU (needs a CUDA build and a GPU)");
   g->add_flag("--json", gen.json, "Print token ids, text and timings as JSON");
   g->callback([&] {
+    auto dev = tandem::engine::DeviceFromName(gen_device);
+    if (!dev) {
+      rc = Report(absl::InvalidArgumentError("unknown device '" + gen_device + "' (cpu or cuda)"));
+      return;
+    }
+    gen.device = *dev;
     auto t = tandem::kernels::KvTypeFromName(gen_kv_type);
     if (!t) {
       rc = Report(absl::InvalidArgumentError("unknown KV type '" + gen_kv_type +

@@ -12,6 +12,10 @@
 #include "tests/fakes/tiny_model.h"
 #include "tests/unit/engine/reference_model.h"
 
+#if defined(TANDEM_HAVE_CUDA)
+#include "tandem/cuda/cuda_common.h"
+#endif
+
 namespace tandem::engine {
 namespace {
 
@@ -102,6 +106,29 @@ TEST_P(EngineArchTest, MatchesDoublePrecisionReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, EngineArchTest, ::testing::Values("llama", "qwen2"));
+
+// Device::kCuda fails at Create, with a message saying why, wherever it cannot run: a build
+// without CUDA, or no visible device (with one, cuda_engine_test covers the device path).
+TEST(EngineTest, CudaDeviceFailsCleanlyWhereItCannotRun) {
+  auto model = LoadTiny({}, "nodevice");
+  EngineOptions o;
+  o.ctx_size = 64;
+  o.device = Device::kCuda;
+#if defined(TANDEM_HAVE_CUDA)
+  if (kernels::cuda::VisibleDeviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible";
+  const std::string why = "no CUDA device";
+#else
+  const std::string why = "built without CUDA";
+#endif
+  auto e = Engine::Create(model, o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_NE(e.status().message().find(why), std::string::npos) << e.status();
+  EXPECT_EQ(DeviceFromName("cuda"), Device::kCuda);
+  EXPECT_EQ(DeviceFromName("cpu"), Device::kCpu);
+  EXPECT_EQ(DeviceFromName("gpu"), std::nullopt);
+  EXPECT_STREQ(DeviceName(Device::kCuda), "cuda");
+}
 
 TEST(EngineTest, ChunkedPrefillAndDecodeAgreeWithOneShot) {
   auto model = LoadTiny({}, "chunk");

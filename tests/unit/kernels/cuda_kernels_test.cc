@@ -383,6 +383,30 @@ TEST(CudaElementwiseTest, SwiGluMatchesReference) {
   }
 }
 
+TEST(CudaElementwiseTest, AddInPlaceAndAddBiasMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  const int64_t n = 100003;
+  auto x = RandomNormal(n, 7), y = RandomNormal(n, 8);
+  DeviceVec<float> dx(x), dy(y);
+  ASSERT_OK(cuda::AddInPlace(dx.get(), dy.get(), n, nullptr));
+  AddInPlace(x.data(), y.data(), n);
+  const auto got = dx.Download();
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], x[i]) << i;  // one float add: exact
+
+  // Rows with a stride wider than the bias: the gap between rows must stay untouched.
+  const int64_t rows = 37, width = 200, stride = 208;
+  auto m = RandomNormal(rows * stride, 9);
+  const auto bias = RandomNormal(width, 10);
+  DeviceVec<float> dm(m), db(bias);
+  ASSERT_OK(cuda::AddBias(dm.get(), db.get(), rows, width, stride, nullptr));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < width; ++i) m[r * stride + i] += bias[i];
+  }
+  EXPECT_EQ(dm.Download(), m);
+  EXPECT_FALSE(cuda::AddBias(dm.get(), db.get(), rows, width, width - 1, nullptr).ok());
+  ExpectNoCudaError();
+}
+
 // ---- GEMV / GEMM ----------------------------------------------------------------------------
 
 TEST(CudaMatmulTest, QuantGemvMatchesDoubleReference) {

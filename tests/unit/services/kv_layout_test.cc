@@ -8,7 +8,9 @@
 #include <cstring>
 #include <random>
 
+#include "common/transfer/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
+#include "services/common/kv_pool.h"
 
 namespace tandem::services {
 namespace {
@@ -132,6 +134,46 @@ TEST(KvLayoutTest, AnotherShapeIsRefusedByName) {
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << c.field;
     EXPECT_NE(st.message().find(c.field), std::string::npos) << st;
   }
+}
+
+// A transport that says it can hold device memory; nothing is ever registered with it.
+class DeviceCapableTransport : public transfer::KvTransport {
+ public:
+  transfer::Capabilities capabilities() const override {
+    return {.name = "device-capable", .one_sided = true, .device_memory = true};
+  }
+  absl::StatusOr<transfer::RegionDescriptor> RegisterRegion(void*, uint64_t) override {
+    return absl::UnimplementedError("not in this test");
+  }
+  absl::Status DeregisterRegion(uint64_t) override { return absl::NotFoundError("none"); }
+  void WriteAsync(const transfer::RegionDescriptor&, std::vector<transfer::WriteOp>,
+                  std::chrono::steady_clock::time_point,
+                  std::function<void(absl::Status)> done) override {
+    done(absl::UnimplementedError("not in this test"));
+  }
+  void ForgetPeer(const std::string&) override {}
+  transfer::TransportStats stats() const override { return {}; }
+};
+
+// A worker's KV pool stays where its transport can reach it: a GPU pool with a host-only
+// transport is refused at start with what is needed, never staged through host memory.
+TEST(KvPoolTest, GpuWorkerPoolNeedsADeviceMemoryTransport) {
+  engine::EngineOptions o;
+  std::unique_ptr<transfer::KvTransport> host = transfer::CreateInProcessTransport("kv-pool-test");
+  EXPECT_TRUE(CheckWorkerKvPlacement(o, host.get()).ok());
+  EXPECT_TRUE(CheckWorkerKvPlacement(o, nullptr).ok());
+  o.device = engine::Device::kCuda;
+  for (const transfer::KvTransport* t :
+       {host.get(), static_cast<transfer::KvTransport*>(nullptr)}) {
+    const absl::Status st = CheckWorkerKvPlacement(o, t);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("device-memory support"), std::string::npos) << st;
+    EXPECT_NE(st.message().find(t == nullptr ? "'none'" : "'inproc'"), std::string::npos) << st;
+  }
+  DeviceCapableTransport device;
+  const absl::Status st = CheckWorkerKvPlacement(o, &device);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_NE(st.message().find("checksums"), std::string::npos) << st;
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Row-wise and elementwise ops of a transformer layer on the GPU, matching the CPU references
-// in tandem/kernels/{norm,rope,activation}.h (the *Reference functions) up to float rounding:
+// in tandem/kernels/{norm,rope,activation}.h (the *Reference functions) up to float rounding
+// (the additions exactly):
 // sums are taken in float with tree reductions, exponentials and angles by the CUDA math
 // library. All pointers are device memory owned by the caller; see cuda_common.h for threading
 // and errors.
@@ -25,5 +26,12 @@ absl::Status Rope(const RopeParams& p, float* x, int64_t n_tokens, int64_t strid
 
 // out[i] = silu(gate[i]) * up[i]; out may alias gate.
 absl::Status SwiGlu(const float* gate, const float* up, float* out, int64_t n, Stream stream);
+
+// x[i] += y[i] for i < n (the residual connection; kernels::AddInPlace on the CPU).
+absl::Status AddInPlace(float* x, const float* y, int64_t n, Stream stream);
+
+// x[r][i] += bias[i] for r < rows, i < n; rows `stride` floats apart (0: n). Projection biases.
+absl::Status AddBias(float* x, const float* bias, int64_t rows, int64_t n, int64_t stride,
+                     Stream stream);
 
 }  // namespace tandem::kernels::cuda
