@@ -84,9 +84,12 @@ struct ActRow {
 
 // Packed weights (PackWeights): groups of kPackRows rows with their 32-value blocks
 // interleaved, so one 512-bit register holds four consecutive values of each of the 16 rows and
-// one VPDPBUSD against four broadcast activations advances all 16 dot products. Per group:
-//   values: nblk blocks of kPackQ8_0ValueBytes (Q8_0) or kPackQ4_0ValueBytes (Q4_0), then
-//   scales: nblk x 16 fp16 (row m's block scale at 2m), padded to 64 bytes.
+// one VPDPBUSD against four broadcast activations advances all 16 dot products. A group is
+// (nblk + 1) / 2 pairs of blocks, each pair
+//   values: two blocks of kPackQ8_0ValueBytes (Q8_0) or kPackQ4_0ValueBytes (Q4_0), then
+//   scales: 2 x 16 fp16 (row m's block scale at 2m), one 64-byte line,
+// so a group is a single stream for the prefetchers (an odd nblk leaves the last pair's second
+// block zero).
 // Q8_0 block: 8 chunks of 64 bytes; chunk k holds values 4k..4k+3 of row m at 4m, each plus
 // 128 as uint8. Q4_0 block: 4 chunks of 64 bytes; chunk c holds bytes qs[4c..4c+3] of row m at
 // 4m, so its low nibbles are values 4c.., its high nibbles values 4c+16.. (each value plus 8).
@@ -95,6 +98,17 @@ inline constexpr int kPackRows = 16;
 inline constexpr int kPackQ8_0ValueBytes = 512;
 inline constexpr int kPackQ4_0ValueBytes = 256;
 inline constexpr int kPackTile = 8;  // activation rows one packed kernel call handles
+
+// Block i of a packed group whose blocks have value_bytes of values: its values, and its 16
+// fp16 scales.
+inline constexpr int64_t PackedPairBytes(int64_t value_bytes) { return 2 * value_bytes + 64; }
+inline const uint8_t* PackedValues(const uint8_t* group, int64_t value_bytes, int64_t i) {
+  return group + (i >> 1) * PackedPairBytes(value_bytes) + (i & 1) * value_bytes;
+}
+inline const uint16_t* PackedScales(const uint8_t* group, int64_t value_bytes, int64_t i) {
+  return reinterpret_cast<const uint16_t*>(group + (i >> 1) * PackedPairBytes(value_bytes) +
+                                           2 * value_bytes + (i & 1) * 32);
+}
 
 // Computes out[b * out_stride + m] for m < valid_rows (<= kPackRows), b < nb (<= kPackTile),
 // over one packed group of nblk blocks.

@@ -371,7 +371,7 @@ PackGeometry GeometryOf(DType t, int64_t cols) {
   PackGeometry g;
   g.nblk = cols / 32;
   g.value_bytes = t == DType::kQ8_0 ? kPackQ8_0ValueBytes : kPackQ4_0ValueBytes;
-  g.group_bytes = static_cast<int64_t>(RoundUp64(g.nblk * (g.value_bytes + 2 * kPackRows)));
+  g.group_bytes = (g.nblk + 1) / 2 * internal::PackedPairBytes(g.value_bytes);
   return g;
 }
 
@@ -392,15 +392,16 @@ template <bool kQ4>
 void PackedScalar(const uint8_t* group, int64_t nblk, const ActRow* act, int nb, float* out,
                   int64_t os, int valid_rows) {
   const int64_t vb = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
-  const auto* scales = reinterpret_cast<const uint16_t*>(group + nblk * vb);
   for (int b = 0; b < nb; ++b) {
     const auto* a = static_cast<const int8_t*>(act[b].values);
     for (int m = 0; m < valid_rows; ++m) {
       float acc = 0.0f;
       for (int64_t i = 0; i < nblk; ++i) {
         int isum = 0;
-        for (int j = 0; j < 32; ++j) isum += PackedValue<kQ4>(group + vb * i, m, j) * a[32 * i + j];
-        const float scale = Fp16ToF32(scales[kPackRows * i + m]) * act[b].scales[i];
+        const uint8_t* block = internal::PackedValues(group, vb, i);
+        for (int j = 0; j < 32; ++j) isum += PackedValue<kQ4>(block, m, j) * a[32 * i + j];
+        const float scale =
+            Fp16ToF32(internal::PackedScales(group, vb, i)[m]) * act[b].scales[i];
         acc = std::fma(static_cast<float>(isum), scale, acc);
       }
       out[b * os + m] = acc;
@@ -841,12 +842,11 @@ void GetPackedRow(DType weight_type, const void* packed, int64_t cols, int64_t r
   if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0) Fail("unpackable type");
   const PackGeometry geo = GeometryOf(weight_type, cols);
   const auto* group = static_cast<const uint8_t*>(packed) + (r / kPackRows) * geo.group_bytes;
-  const auto* scales = reinterpret_cast<const uint16_t*>(group + geo.nblk * geo.value_bytes);
   const int m = static_cast<int>(r % kPackRows);
   const bool q4 = weight_type == DType::kQ4_0;
   for (int64_t i = 0; i < geo.nblk; ++i) {
-    const float d = Fp16ToF32(scales[kPackRows * i + m]);
-    const uint8_t* block = group + i * geo.value_bytes;
+    const float d = Fp16ToF32(internal::PackedScales(group, geo.value_bytes, i)[m]);
+    const uint8_t* block = internal::PackedValues(group, geo.value_bytes, i);
     for (int j = 0; j < 32; ++j) {
       const int v = q4 ? PackedValue<true>(block, m, j) : PackedValue<false>(block, m, j);
       out[32 * i + j] = d * static_cast<float>(v);
@@ -866,19 +866,19 @@ void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols,
   for (int64_t g = 0; g < groups; ++g) {
     uint8_t* group = static_cast<uint8_t*>(dst) + g * geo.group_bytes;
     std::memset(group, 0, geo.group_bytes);
-    auto* scales = reinterpret_cast<uint16_t*>(group + geo.nblk * geo.value_bytes);
     for (int m = 0; m < kPackRows && g * kPackRows + m < rows; ++m) {
       const uint8_t* row = static_cast<const uint8_t*>(src) + (g * kPackRows + m) * row_bytes;
       // Four bytes at a time: chunk c of a block takes bytes 4c..4c+3 of each row's values.
       for (int64_t i = 0; i < geo.nblk; ++i) {
-        uint8_t* block = group + i * geo.value_bytes + 4 * m;
+        uint8_t* block = const_cast<uint8_t*>(internal::PackedValues(group, geo.value_bytes, i)) + 4 * m;
+        auto* scales = const_cast<uint16_t*>(internal::PackedScales(group, geo.value_bytes, i));
         if (q4) {
           const auto& x = reinterpret_cast<const BlockQ4_0*>(row)[i];
-          scales[kPackRows * i + m] = x.d;
+          scales[m] = x.d;
           for (int c = 0; c < 4; ++c) std::memcpy(block + 64 * c, x.qs + 4 * c, 4);
         } else {
           const auto& x = reinterpret_cast<const BlockQ8_0*>(row)[i];
-          scales[kPackRows * i + m] = x.d;
+          scales[m] = x.d;
           for (int c = 0; c < 8; ++c) {
             uint32_t v;
             std::memcpy(&v, x.qs + 4 * c, 4);

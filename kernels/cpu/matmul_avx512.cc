@@ -512,15 +512,15 @@ template <bool kQ4, int NB>
 void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float* out, int64_t os,
                    int valid_rows) {
   constexpr int64_t kValueBytes = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
-  const uint8_t* scales = group + nblk * kValueBytes;
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   __m512 acc[NB];
   for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nblk; ++i) {
-    const uint8_t* v = group + i * kValueBytes;
+    const uint8_t* v = PackedValues(group, kValueBytes, i);
     if constexpr (NB <= 2) {
-      // Decode streams the weights once: ask for the lines a few dozen blocks ahead.
-      for (int c = 0; c < kValueBytes; c += 64) {
+      // Decode streams the weights once: ask for the lines a few dozen blocks ahead (the
+      // block's values and, with its pair's, the scales line after them).
+      for (int c = 0; c < kValueBytes + 32; c += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + c), _MM_HINT_T1);
       }
     }
@@ -554,7 +554,7 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
       }
     }
     const __m512 dw =
-        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales + 32 * i)));
+        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(PackedScales(group, kValueBytes, i))));
 #pragma GCC unroll 16
     for (int b = 0; b < NB; ++b) {
       __m512i total = sum[0][b];

@@ -412,10 +412,11 @@ TEST(PackedMatmulSupportTest, OnlyQ8_0AndQ4_0OnAvx512Pack) {
   EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 256), 0u) << "no packed kernel below AVX-512";
   if (DetectedIsa() >= Isa::kAvx512) {
     ScopedIsaCap full(DetectedIsa());
-    // Three groups of 16 rows, each the 16 rows' bytes rounded up to 64: 3 blocks of Q8_0 are
-    // 3 * 34 * 16 = 1632 -> 1664 bytes, of Q4_0 3 * 18 * 16 = 864 -> 896.
-    EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 96), 3u * 1664);
-    EXPECT_EQ(PackedWeightBytes(DType::kQ4_0, 40, 96), 3u * 896);
+    // Three groups of 16 rows, each 3 blocks rounded up to 2 pairs, a pair being two blocks of
+    // 16 rows' values and one 64-byte line of scales: Q8_0 2 * (2 * 512 + 64) = 2176 bytes,
+    // Q4_0 2 * (2 * 256 + 64) = 1152.
+    EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 96), 3u * 2176);
+    EXPECT_EQ(PackedWeightBytes(DType::kQ4_0, 40, 96), 3u * 1152);
   }
 }
 
