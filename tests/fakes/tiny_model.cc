@@ -127,4 +127,13 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
   return w.Write(path);
 }
 
+std::vector<int32_t> RandomTokens(int n, int32_t vocab, uint32_t seed) {
+  std::vector<int32_t> t(n);
+  for (auto& x : t) {
+    seed = seed * 1664525u + 1013904223u;
+    x = 3 + static_cast<int32_t>((seed >> 8) % static_cast<uint32_t>(vocab - 3));
+  }
+  return t;
+}
+
 }  // namespace tandem::testing

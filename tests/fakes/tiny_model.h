@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "tandem/kernels/dtype.h"
@@ -25,5 +26,8 @@ struct TinyModelOptions {
 
 // Vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then a few words.
 absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path);
+
+// n deterministic token ids in [3, vocab) (past <unk>, <s> and </s>) for a seed: test prompts.
+std::vector<int32_t> RandomTokens(int n, int32_t vocab, uint32_t seed);
 
 }  // namespace tandem::testing

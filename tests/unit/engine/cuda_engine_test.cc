@@ -37,6 +37,7 @@ namespace tandem::engine {
 namespace {
 
 using kernels::DType;
+using testing::RandomTokens;
 
 #define SKIP_WITHOUT_DEVICE()                                                       \
   do {                                                                              \
@@ -98,16 +99,6 @@ EngineOptions Options(DType kv, Device device) {
   o.kv_type = kv;
   o.device = device;
   return o;
-}
-
-std::vector<int32_t> RandomTokens(int n, int vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint32_t s = seed;
-  for (auto& x : t) {
-    s = s * 1664525u + 1013904223u;
-    x = 3 + static_cast<int32_t>((s >> 8) % (vocab - 3));
-  }
-  return t;
 }
 
 int32_t Argmax(const float* v, int n) {

@@ -20,6 +20,7 @@ namespace tandem::engine {
 namespace {
 
 using testing::TinyModelOptions;
+using testing::RandomTokens;
 
 std::string TempPath(const std::string& name) {
   return (std::filesystem::temp_directory_path() /
@@ -48,16 +49,6 @@ std::unique_ptr<Engine> MakeEngine(std::shared_ptr<const Model> m, int threads =
   auto e = Engine::Create(std::move(m), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
-}
-
-std::vector<int32_t> RandomTokens(int n, int vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint32_t s = seed;
-  for (auto& x : t) {
-    s = s * 1664525u + 1013904223u;
-    x = 3 + static_cast<int32_t>((s >> 8) % (vocab - 3));
-  }
-  return t;
 }
 
 // Runs `tokens` through one sequence in chunks of `chunk` and returns the last logits.

@@ -41,14 +41,8 @@ std::unique_ptr<Engine> MakeEngine(std::shared_ptr<const Model> model, int32_t k
   return std::move(*e);
 }
 
-// Deterministic token ids in [3, vocab).
 std::vector<int32_t> Tokens(int n, uint32_t seed, int32_t vocab) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    t.push_back(3 + static_cast<int32_t>((seed >> 8) % static_cast<uint32_t>(vocab - 3)));
-  }
-  return t;
+  return testing::RandomTokens(n, vocab, seed);
 }
 
 struct Collected {

@@ -37,12 +37,11 @@ std::unique_ptr<Engine> MakeEngine(int max_batch_tokens = 64) {
   return std::move(*Engine::Create(TinyModel(), o));
 }
 
+// <s> and then n - 1 ids in [3, 253).
 std::vector<int32_t> Prompt(int n, uint32_t seed) {
   std::vector<int32_t> t = {1};
-  for (int i = 1; i < n; ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    t.push_back(3 + (seed >> 8) % 250);
-  }
+  const std::vector<int32_t> rest = testing::RandomTokens(n - 1, 253, seed);
+  t.insert(t.end(), rest.begin(), rest.end());
   return t;
 }
 
