@@ -713,6 +713,13 @@ void RunMatmulPacked(DType weight_type, int64_t cols, const float* input, int64_
       first += n_groups;
       const auto* w = static_cast<const uint8_t*>(t.weight);
       const int64_t os = t.output_stride ? t.output_stride : t.rows;
+      if (batch <= 2 && lo < hi) {
+        // The kernel prefetches 8 KiB ahead of itself; a piece starting cold asks for its own
+        // first 8 KiB here instead of waiting for each line in turn.
+        const uint8_t* start = w + lo * geo.group_bytes;
+        const int64_t n = std::min<int64_t>(8192, (hi - lo) * geo.group_bytes);
+        for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(start + off, 0, 2);
+      }
       for (int64_t gb = lo; gb < hi; gb += groups_per_block) {
         const int64_t ge = std::min(hi, gb + groups_per_block);
         for (int64_t b0 = 0; b0 < batch; b0 += kPackTile) {

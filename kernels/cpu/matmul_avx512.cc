@@ -502,7 +502,7 @@ void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRo
 // 8 KiB ahead into L2 rather than 2 KiB ahead into L1 keeps more lines in flight than the
 // hardware prefetcher alone (which restarts at every page and every chunk boundary): the
 // llama-1b Q4_0 matmul sweep went from 14.8 to 16.7 GB/s on one thread and from 25 to 27 GB/s
-// on two (docs/perf/engine-cpu.md, run 4).
+// on two (docs/perf/engine-cpu.md, "Decode, runs 4-5").
 #ifndef TANDEM_PACK_PREFETCH
 #define TANDEM_PACK_PREFETCH 8192
 #endif
