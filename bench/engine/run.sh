@@ -22,7 +22,9 @@
 #            generated each, through engine::Scheduler
 #                                                       vs llama-server -np N_SEQS --cont-batching
 #            driven by server_client.py with N_SEQS concurrent /completion requests (same sizes)
-#   The read bandwidth (membw, THREADS threads and 1 thread) is measured before every model.
+#   The read bandwidth (membw, THREADS threads and 1 thread) is measured before every model, and
+#   at THREADS threads before every round of the decode case: the roofline of a round divides by
+#   the bandwidth measured just before it, since the host's bandwidth drifts during a run.
 #
 # The machine is shared and noisy: only ratios from the alternating pairs of one run mean much.
 # llama.cpp here is built with OpenMP, so its per-op barrier is libgomp's, which spins (up to
@@ -92,6 +94,13 @@ run_membw() {  # model (the bandwidth measured next to it)
     echo "{\"model\":\"$1\",\"case\":\"membw\",\"threads\":$t,\"gb_per_s\":$(python3 -c \
       'import json,sys; print(json.dumps(json.loads(sys.argv[1])["gb_per_s"]))' "$j")}" >>"$RAW"
   done
+}
+
+run_membw_round() {  # model pair: the bandwidth just before one round of the decode case
+  local j
+  j=$("${PRIO_CMD[@]}" "$BUILD/bin/membw" --threads "$THREADS" --mib 1024 --passes 8)
+  echo "{\"model\":\"$1\",\"case\":\"membw_round\",\"pair\":$2,\"threads\":$THREADS,\"gb_per_s\":$(python3 -c \
+    'import json,sys; print(json.dumps(json.loads(sys.argv[1])["gb_per_s"]))' "$j")}" >>"$RAW"
 }
 
 tandem_case() {  # model case pair
@@ -172,6 +181,7 @@ for m in $MODELS; do
     n_side=$(( $(echo $LLAMA_VARIANTS | wc -w) + 1 ))
     for ((i = 0; i < PAIRS; i++)); do
       log "$m $c round $((i + 1))/$PAIRS"
+      [ "$c" = decode ] && run_membw_round "$m" "$i"
       for ((k = 0; k < n_side; k++)); do
         s=$(( (i + k) % n_side ))
         if ((s == 0)); then tandem_case "$m" "$c" "$i"; else llama_case "$m" "$c" "$i" $((s - 1)); fi

@@ -4,8 +4,10 @@
 A pair is one tandem run and one llama.cpp run next to each other in time; the headline ratio is
 the median of the per-pair ratios (robust to load drifting during the run). Load only ever slows
 a run down, so the ratio of the best runs is printed too. The roofline of batch-1 decode is the
-weight bytes one token reads times tokens per second over the measured read bandwidth (the
-median of the THREADS-thread membw medians taken during the run; the best pass in brackets).
+weight bytes one token reads times tokens per second over the measured read bandwidth: per
+round over the membw taken just before that round of the decode case (the host's bandwidth
+drifts between phases during a run), median over the rounds; without per-round samples, over the
+median of the THREADS-thread membw medians taken during the run.
 """
 import argparse
 import json
@@ -26,7 +28,11 @@ def main():
     bw_best = defaultdict(float)
     runs = defaultdict(lambda: defaultdict(dict))  # (model, case) -> engine -> pair -> tps
     wbytes = {}
+    bw_round = defaultdict(dict)  # model -> pair -> GB/s measured just before that round
     for r in rows:
+        if r["case"] == "membw_round":
+            bw_round[r["model"]][r["pair"]] = r["gb_per_s"]["median"]
+            continue
         if r["case"] == "membw":
             bw[r["threads"]].append(r["gb_per_s"]["median"])
             bw_best[r["threads"]] = max(bw_best[r["threads"]], r["gb_per_s"]["best"])
@@ -56,8 +62,16 @@ def main():
         cells_tps, cells_ratio, cells_roof = [], [], []
         gb = wbytes.get(model, 0) / 1e9
         roof = case == "decode" and gb > 0 and bw_med > 0
+
+        def roofline(samples):  # pair -> tok/s
+            per_round = [samples[p] * gb / bw_round[model][p]
+                         for p in samples if p in bw_round[model]]
+            if per_round:
+                return statistics.median(per_round)
+            return statistics.median(samples.values()) * gb / bw_med
+
         if roof:
-            entry["tandem_roofline"] = tm * gb / bw_med
+            entry["tandem_roofline"] = roofline(t)
         for e in llamas:
             l = by.get(e, {})
             pairs = sorted(set(t) & set(l))
@@ -69,13 +83,13 @@ def main():
                               "ratio_median": rm, "ratio_of_bests": rb}
             cells_tps.append("%.2f" % lm)
             cells_ratio.append("%.2fx; %.2fx" % (rm, rb))
-            if roof:
-                entry["vs"][e]["roofline"] = lm * gb / bw_med
-                cells_roof.append("%.0f%% (%.1f GB/s)" % (100 * lm * gb / bw_med, lm * gb))
+            if roof and l:
+                entry["vs"][e]["roofline"] = roofline(l)
+                cells_roof.append("%.0f%% (%.1f GB/s)" % (100 * roofline(l), lm * gb))
             else:
                 cells_roof.append("")
         out["cases"].append(entry)
-        roof_t = "%.0f%% (%.1f GB/s)" % (100 * tm * gb / bw_med, tm * gb) if roof else ""
+        roof_t = "%.0f%% (%.1f GB/s)" % (100 * roofline(t), tm * gb) if roof and t else ""
         print("| %s | %s | %.2f | %s | %s | %s | %s |" %
               (model, case, tm, " | ".join(cells_tps), " | ".join(cells_ratio), roof_t,
                " | ".join(cells_roof)))
