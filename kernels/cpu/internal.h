@@ -99,16 +99,18 @@ inline constexpr int kPackQ8_0ValueBytes = 512;
 inline constexpr int kPackQ4_0ValueBytes = 256;
 inline constexpr int kPackTile = 8;  // activation rows one packed kernel call handles
 
-// Block i of a packed group whose blocks have value_bytes of values: its values, and its 16
-// fp16 scales.
+// Byte offsets in a packed group, whose blocks have value_bytes of values, of block i's values
+// and of its 16 fp16 scales.
 inline constexpr int64_t PackedPairBytes(int64_t value_bytes) { return 2 * value_bytes + 64; }
-inline const uint8_t* PackedValues(const uint8_t* group, int64_t value_bytes, int64_t i) {
-  return group + (i >> 1) * PackedPairBytes(value_bytes) + (i & 1) * value_bytes;
+inline constexpr int64_t PackedValuesAt(int64_t value_bytes, int64_t i) {
+  return (i >> 1) * PackedPairBytes(value_bytes) + (i & 1) * value_bytes;
 }
-inline const uint16_t* PackedScales(const uint8_t* group, int64_t value_bytes, int64_t i) {
-  return reinterpret_cast<const uint16_t*>(group + (i >> 1) * PackedPairBytes(value_bytes) +
-                                           2 * value_bytes + (i & 1) * 32);
+inline constexpr int64_t PackedScalesAt(int64_t value_bytes, int64_t i) {
+  return (i >> 1) * PackedPairBytes(value_bytes) + 2 * value_bytes + (i & 1) * 32;
 }
+// Decode (one or two activation rows) streams the packed weights once; the kernel prefetches
+// this far ahead of itself into L2, and each piece of a matmul its own first this many bytes.
+inline constexpr int64_t kPackPrefetchBytes = 8192;
 
 // Computes out[b * out_stride + m] for m < valid_rows (<= kPackRows), b < nb (<= kPackTile),
 // over one packed group of nblk blocks.

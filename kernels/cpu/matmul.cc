@@ -398,10 +398,10 @@ void PackedScalar(const uint8_t* group, int64_t nblk, const ActRow* act, int nb,
       float acc = 0.0f;
       for (int64_t i = 0; i < nblk; ++i) {
         int isum = 0;
-        const uint8_t* block = internal::PackedValues(group, vb, i);
+        const uint8_t* block = group + internal::PackedValuesAt(vb, i);
+        const auto* scales = reinterpret_cast<const uint16_t*>(group + internal::PackedScalesAt(vb, i));
         for (int j = 0; j < 32; ++j) isum += PackedValue<kQ4>(block, m, j) * a[32 * i + j];
-        const float scale =
-            Fp16ToF32(internal::PackedScales(group, vb, i)[m]) * act[b].scales[i];
+        const float scale = Fp16ToF32(scales[m]) * act[b].scales[i];
         acc = std::fma(static_cast<float>(isum), scale, acc);
       }
       out[b * os + m] = acc;
@@ -714,10 +714,10 @@ void RunMatmulPacked(DType weight_type, int64_t cols, const float* input, int64_
       const auto* w = static_cast<const uint8_t*>(t.weight);
       const int64_t os = t.output_stride ? t.output_stride : t.rows;
       if (batch <= 2 && lo < hi) {
-        // The kernel prefetches 8 KiB ahead of itself; a piece starting cold asks for its own
-        // first 8 KiB here instead of waiting for each line in turn.
+        // The kernel prefetches kPackPrefetchBytes ahead of itself; a piece starting cold asks
+        // for its own first bytes here instead of waiting for each line in turn.
         const uint8_t* start = w + lo * geo.group_bytes;
-        const int64_t n = std::min<int64_t>(8192, (hi - lo) * geo.group_bytes);
+        const int64_t n = std::min<int64_t>(internal::kPackPrefetchBytes, (hi - lo) * geo.group_bytes);
         for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(start + off, 0, 2);
       }
       for (int64_t gb = lo; gb < hi; gb += groups_per_block) {
@@ -852,8 +852,10 @@ void GetPackedRow(DType weight_type, const void* packed, int64_t cols, int64_t r
   const int m = static_cast<int>(r % kPackRows);
   const bool q4 = weight_type == DType::kQ4_0;
   for (int64_t i = 0; i < geo.nblk; ++i) {
-    const float d = Fp16ToF32(internal::PackedScales(group, geo.value_bytes, i)[m]);
-    const uint8_t* block = internal::PackedValues(group, geo.value_bytes, i);
+    const auto* scales =
+        reinterpret_cast<const uint16_t*>(group + internal::PackedScalesAt(geo.value_bytes, i));
+    const float d = Fp16ToF32(scales[m]);
+    const uint8_t* block = group + internal::PackedValuesAt(geo.value_bytes, i);
     for (int j = 0; j < 32; ++j) {
       const int v = q4 ? PackedValue<true>(block, m, j) : PackedValue<false>(block, m, j);
       out[32 * i + j] = d * static_cast<float>(v);
@@ -877,8 +879,8 @@ void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols,
       const uint8_t* row = static_cast<const uint8_t*>(src) + (g * kPackRows + m) * row_bytes;
       // Four bytes at a time: chunk c of a block takes bytes 4c..4c+3 of each row's values.
       for (int64_t i = 0; i < geo.nblk; ++i) {
-        uint8_t* block = const_cast<uint8_t*>(internal::PackedValues(group, geo.value_bytes, i)) + 4 * m;
-        auto* scales = const_cast<uint16_t*>(internal::PackedScales(group, geo.value_bytes, i));
+        uint8_t* block = group + internal::PackedValuesAt(geo.value_bytes, i) + 4 * m;
+        auto* scales = reinterpret_cast<uint16_t*>(group + internal::PackedScalesAt(geo.value_bytes, i));
         if (q4) {
           const auto& x = reinterpret_cast<const BlockQ4_0*>(row)[i];
           scales[m] = x.d;

@@ -499,14 +499,10 @@ void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRo
 // PackedScalar: the integer sums are exact and the float steps are the same, in the same order.
 //
 // Decode (one or two activation rows) is bound by how fast the weights stream in. Prefetching
-// 8 KiB ahead into L2 rather than 2 KiB ahead into L1 keeps more lines in flight than the
-// hardware prefetcher alone (which restarts at every page and every chunk boundary): the
-// llama-1b Q4_0 matmul sweep went from 14.8 to 16.7 GB/s on one thread and from 25 to 27 GB/s
-// on two (docs/perf/engine-cpu.md, "Decode, runs 4-5").
-#ifndef TANDEM_PACK_PREFETCH
-#define TANDEM_PACK_PREFETCH 8192
-#endif
-constexpr int64_t kPrefetchBytes = TANDEM_PACK_PREFETCH;
+// kPackPrefetchBytes (8 KiB) ahead into L2 rather than 2 KiB ahead into L1 keeps more lines in
+// flight than the hardware prefetcher alone: the llama-1b Q4_0 matmul sweep went from 14.8 to
+// 16.7 GB/s on one thread and from 25 to 27 GB/s on two (docs/perf/engine-cpu.md, "Decode,
+// runs 4-8").
 
 template <bool kQ4, int NB>
 void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float* out, int64_t os,
@@ -516,12 +512,12 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
   __m512 acc[NB];
   for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nblk; ++i) {
-    const uint8_t* v = PackedValues(group, kValueBytes, i);
+    const uint8_t* v = group + PackedValuesAt(kValueBytes, i);
     if constexpr (NB <= 2) {
       // Decode streams the weights once: ask for the lines a few dozen blocks ahead (the
       // block's values and, with its pair's, the scales line after them).
       for (int c = 0; c < kValueBytes + 32; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + c), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v + kPackPrefetchBytes + c), _MM_HINT_T1);
       }
     }
     __m512i w[8];
@@ -553,8 +549,8 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
         sum[c % kChains][b] = _mm512_dpbusd_epi32(sum[c % kChains][b], w[c], a4);
       }
     }
-    const __m512 dw =
-        _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(PackedScales(group, kValueBytes, i))));
+    const __m512 dw = _mm512_cvtph_ps(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(group + PackedScalesAt(kValueBytes, i))));
 #pragma GCC unroll 16
     for (int b = 0; b < NB; ++b) {
       __m512i total = sum[0][b];
