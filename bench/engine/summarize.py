@@ -70,7 +70,7 @@ def main():
                 return statistics.median(per_round)
             return statistics.median(samples.values()) * gb / bw_med
 
-        if roof:
+        if roof and t:
             entry["tandem_roofline"] = roofline(t)
         for e in llamas:
             l = by.get(e, {})
@@ -85,11 +85,12 @@ def main():
             cells_ratio.append("%.2fx; %.2fx" % (rm, rb))
             if roof and l:
                 entry["vs"][e]["roofline"] = roofline(l)
-                cells_roof.append("%.0f%% (%.1f GB/s)" % (100 * roofline(l), lm * gb))
+                cells_roof.append("%.0f%% (%.1f GB/s)" % (100 * entry["vs"][e]["roofline"], lm * gb))
             else:
                 cells_roof.append("")
         out["cases"].append(entry)
-        roof_t = "%.0f%% (%.1f GB/s)" % (100 * roofline(t), tm * gb) if roof and t else ""
+        roof_t = ("%.0f%% (%.1f GB/s)" % (100 * entry["tandem_roofline"], tm * gb)
+                  if "tandem_roofline" in entry else "")
         print("| %s | %s | %.2f | %s | %s | %s | %s |" %
               (model, case, tm, " | ".join(cells_tps), " | ".join(cells_ratio), roof_t,
                " | ".join(cells_roof)))

@@ -41,9 +41,6 @@ std::unique_ptr<Engine> MakeEngine(std::shared_ptr<const Model> model, int32_t k
   return std::move(*e);
 }
 
-std::vector<int32_t> Tokens(int n, uint32_t seed, int32_t vocab) {
-  return testing::RandomTokens(n, vocab, seed);
-}
 
 struct Collected {
   std::vector<int32_t> tokens;
@@ -103,11 +100,11 @@ std::vector<std::vector<int32_t>> ColdRuns(std::shared_ptr<const Model> model, c
 // A long shared prefix (3 full blocks and a bit) with distinct tails.
 Work SharedPrefixWork(int32_t vocab) {
   std::vector<int32_t> prefix = {1};
-  for (int32_t t : Tokens(52, 42, vocab)) prefix.push_back(t);  // 53 tokens
+  for (int32_t t : testing::RandomTokens(52, vocab, 42)) prefix.push_back(t);  // 53 tokens
   Work w;
   for (int i = 0; i < 5; ++i) {
     std::vector<int32_t> p = prefix;
-    for (int32_t t : Tokens(3 + 4 * i, 100 + i, vocab)) p.push_back(t);
+    for (int32_t t : testing::RandomTokens(3 + 4 * i, vocab, 100 + i)) p.push_back(t);
     w.push_back({p, i % 2 == 0 ? Greedy(10) : Seeded(10, 7 + i)});
   }
   return w;
@@ -155,7 +152,7 @@ TEST(PrefixCacheSchedulerTest, HitsAreTokenIdenticalToColdRuns) {
 TEST(PrefixCacheSchedulerTest, WholePromptCachedStillComputesTheLastToken) {
   auto model = TinyModel();
   std::vector<int32_t> prompt = {1};
-  for (int32_t t : Tokens(47, 5, model->config().n_vocab)) prompt.push_back(t);  // 48 = 3 blocks
+  for (int32_t t : testing::RandomTokens(47, model->config().n_vocab, 5)) prompt.push_back(t);  // 48 = 3 blocks
   const Work w = {{prompt, Greedy(6)}, {prompt, Seeded(6, 3)}};
   const auto cold = ColdRuns(model, w);
   auto e = MakeEngine(model);
@@ -177,7 +174,7 @@ TEST(PrefixCacheSchedulerTest, WholePromptCachedStillComputesTheLastToken) {
 TEST(PrefixCacheSchedulerTest, SaltsNeverShareBlocksTheSameSaltDoes) {
   auto model = TinyModel();
   std::vector<int32_t> prompt = {1};
-  for (int32_t t : Tokens(40, 9, model->config().n_vocab)) prompt.push_back(t);  // 41 tokens
+  for (int32_t t : testing::RandomTokens(40, model->config().n_vocab, 9)) prompt.push_back(t);  // 41 tokens
   auto e = MakeEngine(model);
   Scheduler s(e.get(), SchedulerOptions{.prefix_cache = true});
   std::map<std::string, Collected> got;
@@ -218,10 +215,10 @@ TEST(PrefixCacheSchedulerTest, EvictionUnderPressureKeepsOutputsExact) {
   Work w;
   for (int fam = 0; fam < 3; ++fam) {
     std::vector<int32_t> prefix = {1};
-    for (int32_t t : Tokens(36, 1000 + fam, vocab)) prefix.push_back(t);
+    for (int32_t t : testing::RandomTokens(36, vocab, 1000 + fam)) prefix.push_back(t);
     for (int k = 0; k < 3; ++k) {
       std::vector<int32_t> p = prefix;
-      for (int32_t t : Tokens(5 + k, 2000 + 10 * fam + k, vocab)) p.push_back(t);
+      for (int32_t t : testing::RandomTokens(5 + k, vocab, 2000 + 10 * fam + k)) p.push_back(t);
       w.push_back({p, k == 1 ? Seeded(12, 50 + k) : Greedy(12)});
     }
   }
@@ -261,10 +258,10 @@ TEST(PrefixCacheSchedulerTest, CancelledSequenceLeavesItsComputedBlocksCached) {
   // Two full blocks in common, then the prompts differ, so nothing past the shared blocks
   // (such as a freed block still holding the first prompt's K/V) can stand in for real work.
   std::vector<int32_t> common = {1};
-  for (int32_t t : Tokens(31, 77, vocab)) common.push_back(t);
+  for (int32_t t : testing::RandomTokens(31, vocab, 77)) common.push_back(t);
   std::vector<int32_t> first = common, second = common;
-  for (int32_t t : Tokens(9, 78, vocab)) first.push_back(t);
-  for (int32_t t : Tokens(9, 79, vocab)) second.push_back(t);
+  for (int32_t t : testing::RandomTokens(9, vocab, 78)) first.push_back(t);
+  for (int32_t t : testing::RandomTokens(9, vocab, 79)) second.push_back(t);
   const Work w = {{second, Greedy(10)}};
   const auto cold = ColdRuns(model, w);
   auto e = MakeEngine(model);
