@@ -28,6 +28,9 @@ namespace tandem::services {
 
 struct RegistrationOptions {
   std::string registry_address;            // host:port of the router's Registry service
+  // The name the registry's TLS certificate carries when registry_address is an IP resolved
+  // from it (registry_set.h); empty: the dialled host. --tls-server-name still wins.
+  std::string tls_name;
   v1::RegisterRequest registration;        // worker_id, role, address, model, kv_blocks_total
   std::function<v1::WorkerStats()> stats;  // may be empty: heartbeats then carry no stats
   absl::Duration rpc_timeout = absl::Seconds(2);

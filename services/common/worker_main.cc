@@ -10,6 +10,7 @@
 #include "services/common/grpc_server.h"
 #include "services/common/process_util.h"
 #include "services/common/registration.h"
+#include "services/common/registry_set.h"
 #include "services/common/transport_factory.h"
 #include "tandem/kernels/kv_quant.h"
 
@@ -32,7 +33,13 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
                  "host the router should dial (default: --host; 127.0.0.1 for a wildcard)");
   app.add_option("--worker-id", f->worker_id,
                  absl::StrCat("id in the registry (default ", spec.role, "-HOST-PID)"));
-  app.add_option("--router", f->router, "registry (router) host:port to register with");
+  app.add_option("--router", f->router,
+                 "routers to register with: HOST:PORT[,HOST:PORT...]; each HOST is resolved to "
+                 "every address it has (DNS, /etc/hosts) and the worker registers with each");
+  app.add_option("--router-resolve-ms", f->router_resolve_ms,
+                 "re-resolve the --router names this often (ms): new routers are joined, "
+                 "vanished ones dropped")
+      ->check(CLI::PositiveNumber);
   app.add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   app.add_option("--kv-blocks", f->kv_blocks, spec.kv_blocks_help)->check(CLI::NonNegativeNumber);
   app.add_option("--block-size", f->block_size, spec.block_size_help)->check(CLI::PositiveNumber);
@@ -72,6 +79,11 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
     if (absl::Status st = PinToCpus(*list); !st.ok()) return st;
   }
   if (f->worker_id.empty()) f->worker_id = DefaultWorkerId(spec.role);
+  if (!f->router.empty()) {
+    if (absl::StatusOr<std::vector<RouterEndpoint>> r = ParseRouterList(f->router); !r.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--router: ", r.status().message()));
+    }
+  }
   // Before any server or channel exists: they take the process's TLS settings.
   if (absl::Status st = SetProcessTls(f->tls); !st.ok()) return st;
   return absl::OkStatus();
@@ -146,17 +158,21 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   }
   std::fflush(stdout);
 
-  std::unique_ptr<RegistrationClient> registration;
+  std::unique_ptr<RegistrySet> registration;
   if (!f.router.empty()) {
-    RegistrationOptions ro;
-    ro.registry_address = f.router;
+    absl::StatusOr<std::vector<RouterEndpoint>> routers = ParseRouterList(f.router);
+    if (!routers.ok()) return FailWorker(o.binary, "--router", routers.status());
+    RegistrySetOptions rs;
+    rs.routers = std::move(*routers);
+    rs.resolve_interval = absl::Milliseconds(f.router_resolve_ms);
+    RegistrationOptions& ro = rs.registration;
     ro.registration.set_worker_id(f.worker_id);
     ro.registration.set_role(o.role);
     ro.registration.set_address(advertised);
     ro.registration.set_model(model_file);
     ro.registration.set_kv_blocks_total(o.kv_blocks_total);
     ro.stats = o.stats;
-    absl::StatusOr<std::unique_ptr<RegistrationClient>> r = RegistrationClient::Start(ro);
+    absl::StatusOr<std::unique_ptr<RegistrySet>> r = RegistrySet::Start(rs);
     if (!r.ok()) return FailWorker(o.binary, "--router", r.status());
     registration = std::move(*r);
   }
@@ -167,7 +183,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   std::fprintf(stderr, "%s: signal %d: draining (grace %d ms)\n", o.binary.c_str(), sig,
                f.grace_ms);
   if (registration) {
-    registration->Stop();  // deregisters: the router stops choosing this worker first
+    registration->Stop();  // deregisters: every router stops choosing this worker first
     // A call the router chose this worker for just before may still be on its way; refusing it
     // would cost the request a retry elsewhere (a redone prefill).
     absl::SleepFor(std::min(kDrainSettle, deadline - absl::Now()));

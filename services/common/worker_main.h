@@ -44,7 +44,8 @@ struct WorkerFlags {
   std::string port_file;
   std::string advertise_host;
   std::string worker_id;
-  std::string router;
+  std::string router;  // HOST:PORT[,HOST:PORT...] (registry_set.h)
+  int router_resolve_ms = 2000;
   int threads = 1;
   int kv_blocks = 0;
   int block_size = 16;
@@ -111,7 +112,7 @@ struct ServeOptions {
 // Serves `o.service` on --host/--port (with health and reflection); with --metrics-port also
 // serves o.metrics on http://--host:PORT/metrics, from before the port file is written until
 // after the drain. Writes --port-file once serving, prints the serving line, registers with
-// --router when given, then waits for SIGTERM/SIGINT. Then it drains, all within --grace-ms:
+// every router --router names (re-resolved every --router-resolve-ms), then waits for SIGTERM/SIGINT. Then it drains, all within --grace-ms:
 // deregisters (the router stops choosing it), keeps accepting calls briefly for those the
 // router chose it for before that and while o.pending_work() > 0, then stops accepting, lets
 // in-flight calls finish, cancels what is left at the deadline and returns 0. Returns 1 after printing

@@ -64,7 +64,7 @@ int Main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (absl::Status st = services::PrepareWorkerProcess(spec, &flags); !st.ok()) {
-    return services::FailWorker(kBinary, "--cpus", st);
+    return services::FailWorker(kBinary, "process setup", st);
   }
   absl::StatusOr<std::unique_ptr<engine::Model>> model = engine::Model::Load(flags.model_path);
   if (!model.ok()) {
