@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
   app.add_option("--port", port, "gRPC port (0: any free port)");
   app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
   app.add_option("--dir", c.ssd_dir, "SSD tier directory (no SSD tier without it)");
-  app.add_option("--device-mb", device_mb, "Device tier capacity, MiB");
+  app.add_option("--device-mb", device_mb, "Device tier capacity, MiB (0: no device tier; puts land in the host tier)");
   app.add_option("--host-mb", host_mb, "Host (DRAM) tier capacity, MiB (0: no host tier)");
   app.add_option("--ssd-mb", ssd_mb, "SSD tier capacity, MiB (0: no SSD tier)");
   app.add_option("--block-kb", block_kb, "Largest block, KiB (the device tier's slot size)");

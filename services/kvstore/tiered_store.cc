@@ -28,8 +28,11 @@ absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredSto
   TANDEM_RETURN_IF_ERROR(CheckWatermarks("ssd", c.ssd));
   if (c.ssd_min_hits < 0) return absl::InvalidArgumentError("ssd_min_hits must be >= 0");
   std::unique_ptr<TieredStore> s(new TieredStore(c));
-  TANDEM_ASSIGN_OR_RETURN(s->tiers_[0],
-                          DeviceTier::Create(c.device.capacity_bytes, c.device_slot_bytes));
+  // Device capacity 0: no device tier (a CPU-only pod); puts then land in the host tier.
+  if (c.device.capacity_bytes > 0) {
+    TANDEM_ASSIGN_OR_RETURN(s->tiers_[0],
+                            DeviceTier::Create(c.device.capacity_bytes, c.device_slot_bytes));
+  }
   if (c.host.capacity_bytes > 0) s->tiers_[1] = std::make_unique<HostTier>(c.host.capacity_bytes);
   if (c.ssd.capacity_bytes > 0) {
     if (c.ssd_dir.empty()) {
@@ -48,6 +51,11 @@ absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredSto
       b.in[2] = true;
       b.lru_it[2] = s->lru_[2].insert(s->lru_[2].end(), h);
     }
+  }
+  s->top_ = 0;
+  while (s->top_ < kNumTiers && s->tiers_[s->top_] == nullptr) ++s->top_;
+  if (s->top_ == kNumTiers) {
+    return absl::InvalidArgumentError("every tier has capacity 0: the store could hold nothing");
   }
   absl::MutexLock l(&s->mu_);
   for (int t = 0; t < kNumTiers; ++t) {
@@ -161,7 +169,7 @@ absl::Status TieredStore::Put(uint64_t hash, std::span<const uint8_t> data) {
       return absl::OkStatus();
     }
   }
-  absl::Status st = Place(0, hash, data);
+  absl::Status st = Place(top_, hash, data);
   if (!st.ok()) DropIfHomeless(hash);
   return st;
 }
@@ -197,12 +205,12 @@ absl::StatusOr<std::vector<uint8_t>> TieredStore::Get(uint64_t hash) {
     ++stats_.tiers[top].hits;
     Block& b = it->second;
     ++b.hits;
-    if (top == 0) {
-      Touch(0, hash, b);
+    if (top == top_) {
+      Touch(top, hash, b);
     } else {
       if (top == 2) Touch(2, hash, b);  // the SSD copy stays; it was just used
       if (b.in[1]) Forget(1, hash, b);
-      absl::Status st = Place(0, hash, *data);
+      absl::Status st = Place(top_, hash, *data);
       if (st.ok()) {
         ++stats_.tiers[top].promoted_out;
       } else {

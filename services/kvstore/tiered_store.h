@@ -1,14 +1,15 @@
 // The tiered KV store: blocks named by chained block hash, kept in the fastest tier that has
 // room, moved down as they cool and back up when they are used.
 //
-// Placement: a Put lands in the top tier (device). When a tier's usage passes its high
-// watermark (or a new block does not fit), its least recently used blocks are demoted until
-// usage is back under the low watermark: device -> host -> SSD. A block is written to SSD only
-// once it has been hit at least `ssd_min_hits` times, so one-off prefixes do not wear the disk
-// or push out useful blocks; below that it is dropped. A hit in host or SSD promotes the block
-// to the device tier. Device and host hold a block in at most one of them; SSD keeps its copy
-// on promotion (the file is the durable copy, and a later demotion of an unchanged block then
-// needs no write). SSD contents are re-indexed on start, so blocks survive restarts.
+// Placement: a Put lands in the top enabled tier (device; host when the device capacity is 0).
+// When a tier's usage passes its high watermark (or a new block does not fit), its least
+// recently used blocks are demoted until usage is back under the low watermark: device -> host
+// -> SSD. A block is written to SSD only once it has been hit at least `ssd_min_hits` times, so
+// one-off prefixes do not wear the disk or push out useful blocks; below that it is dropped. A
+// hit in a lower tier promotes the block to the top enabled tier. Device and host hold a block
+// in at most one of them; SSD keeps its copy on promotion (the file is the durable copy, and a
+// later demotion of an unchanged block then needs no write). SSD contents are re-indexed on
+// start, so blocks survive restarts.
 //
 // Threading: thread-safe; one mutex serialises every call (SSD I/O included, which is fine for
 // a control plane; a data plane would want per-tier queues).
@@ -35,7 +36,7 @@
 namespace tandem::kvstore {
 
 struct TierConfig {
-  uint64_t capacity_bytes = 0;   // 0 disables the tier (not allowed for device)
+  uint64_t capacity_bytes = 0;   // 0 disables the tier (at least one must be enabled)
   double high_watermark = 0.95;  // fraction of capacity that triggers demotion
   double low_watermark = 0.80;   // fraction demotion brings usage back to
 };
@@ -81,7 +82,7 @@ struct PrefixMatch {
 
 class TieredStore {
  public:
-  // INVALID_ARGUMENT for a bad config (no device capacity, watermarks out of order, an SSD
+  // INVALID_ARGUMENT for a bad config (no tier with capacity, watermarks out of order, an SSD
   // capacity without a directory); the SSD tier's errors when its directory cannot be opened.
   static absl::StatusOr<std::unique_ptr<TieredStore>> Create(const TieredStoreConfig& c);
 
@@ -108,6 +109,7 @@ class TieredStore {
     std::array<std::list<uint64_t>::iterator, kNumTiers> lru_it{};
   };
   explicit TieredStore(const TieredStoreConfig& c);
+  int top_ = 0;  // the fastest enabled tier: where puts land and hits are promoted to
   TierConfig& config(int t) { return t == 0 ? c_.device : t == 1 ? c_.host : c_.ssd; }
   int Top(const Block& b) const;
   void Touch(int t, uint64_t hash, Block& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -227,5 +227,52 @@ TEST(KvStoreBinaryTest, ServesAndKeepsSsdBlocksAcrossARestart) {
   EXPECT_EQ(p.Stop(), 0) << p.Log();
 }
 
+// The chart's CPU-only shape: no device tier at all; blocks live in host DRAM.
+TEST(KvStoreBinaryTest, ServesWithoutADeviceTier) {
+  ScratchDir scratch;
+  const std::string port_file = scratch.path() + "/c.port";
+  tandem::testing::ChildProcess p(
+      "tandem-kvstore",
+      {"--port", "0", "--device-mb=0", "--host-mb=64", "--ssd-mb=0", "--port-file", port_file},
+      scratch.path() + "/c.log");
+  const int port = WaitForPort(port_file);
+  ASSERT_GT(port, 0) << p.Log();
+  auto stub = Dial(port);
+  std::mt19937_64 rng(22);
+  const std::vector<uint64_t> h = Hashes(4, 8, 0);
+  v1::KvPutRequest put;
+  std::vector<std::string> want;
+  for (uint64_t x : h) {
+    const auto bytes = RandomBytes(rng, 60000);
+    want.emplace_back(bytes.begin(), bytes.end());
+    v1::KvBlock* b = put.add_blocks();
+    b->set_hash(x);
+    b->set_data(want.back());
+  }
+  v1::KvPutResponse pr;
+  grpc::Status st = stub->Put(Ctx().get(), put, &pr);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::KvLookupRequest lookup;
+  for (uint64_t x : h) lookup.add_block_hashes(x);
+  v1::KvLookupResponse lr;
+  ASSERT_TRUE(stub->Lookup(Ctx().get(), lookup, &lr).ok());
+  ASSERT_EQ(lr.matched(), 4);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(lr.tiers(i), v1::KV_TIER_HOST) << i;
+  v1::KvGetRequest get;
+  for (uint64_t x : h) get.add_block_hashes(x);
+  v1::KvGetResponse gr;
+  ASSERT_TRUE(stub->Get(Ctx().get(), get, &gr).ok());
+  ASSERT_EQ(gr.blocks_size(), 4);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(gr.blocks(i).data(), want[i]) << i;
+  v1::KvStatsResponse sr;
+  ASSERT_TRUE(stub->Stats(Ctx().get(), v1::KvStatsRequest(), &sr).ok());
+  ASSERT_EQ(sr.tiers_size(), 1);  // host only
+  EXPECT_EQ(sr.tiers(0).tier(), "host");
+  EXPECT_EQ(sr.tiers(0).blocks(), 4);
+  EXPECT_EQ(sr.tiers(0).hits(), 4);
+  EXPECT_EQ(p.Stop(), 0) << p.Log();
+  EXPECT_EQ(p.Log().find("holds no slot"), std::string::npos) << p.Log();
+}
+
 }  // namespace
 }  // namespace tandem::kvstore

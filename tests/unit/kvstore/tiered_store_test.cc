@@ -243,6 +243,40 @@ TEST_F(TieredStoreTest, WithoutHostDeviceDemotesStraightToSsd) {
   EXPECT_EQ(*s->Get(Hash(1)), want_[Hash(1)]);
 }
 
+TEST_F(TieredStoreTest, WithoutDeviceBlocksLandInHostAndDemoteToSsd) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.device.capacity_bytes = 0;  // --device-mb=0: a CPU-only pod
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  EXPECT_EQ(s->tier(TierKind::kDevice), nullptr);
+  ASSERT_NE(s->tier(TierKind::kHost), nullptr);
+  for (int i = 0; i < 3; ++i) PutBlock(*s, i);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Where(*s, i), TierKind::kHost) << i;
+  // Host holds 4 blocks: two more push the two least recently used down to SSD.
+  for (int i = 3; i < 6; ++i) PutBlock(*s, i);
+  EXPECT_EQ(Where(*s, 0), TierKind::kSsd);
+  EXPECT_EQ(Where(*s, 1), TierKind::kSsd);
+  EXPECT_EQ(Where(*s, 5), TierKind::kHost);
+  // A hit in SSD promotes to host, the top tier here.
+  EXPECT_EQ(*s->Get(Hash(0)), want_[Hash(0)]);
+  EXPECT_EQ(Where(*s, 0), TierKind::kHost);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(*s->Get(Hash(i)), want_[Hash(i)]) << i;
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[0].name, "");
+  EXPECT_EQ(st.tiers[0].hits, 0);
+  EXPECT_EQ(st.tiers[0].capacity_bytes, 0u);
+  EXPECT_GT(st.tiers[1].hits, 0);
+  EXPECT_GE(st.tiers[2].promoted_out, 1);
+  EXPECT_EQ(st.puts, 6);
+  // Re-putting a block held in host replaces it there.
+  want_[Hash(5)] = RandomBytes(rng_, kPayload);
+  ASSERT_TRUE(s->Put(Hash(5), want_[Hash(5)]).ok());
+  EXPECT_EQ(*s->Get(Hash(5)), want_[Hash(5)]);
+  // The largest block is still --block-kb's.
+  EXPECT_EQ(s->Put(1, std::vector<uint8_t>(kSlot + 1, 3)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(TieredStoreTest, RejectsBadConfigsAndBlocks) {
   TieredStoreConfig c = SmallConfig(dir_.path());
   c.device.low_watermark = 0.9;
@@ -252,6 +286,8 @@ TEST_F(TieredStoreTest, RejectsBadConfigsAndBlocks) {
   EXPECT_EQ(TieredStore::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
   c = SmallConfig(dir_.path());
   c.device.capacity_bytes = 0;
+  c.host.capacity_bytes = 0;
+  c.ssd.capacity_bytes = 0;  // no tier at all
   EXPECT_EQ(TieredStore::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
   auto s = Make(SmallConfig(dir_.path()));
   EXPECT_EQ(s->Put(1, std::vector<uint8_t>(kSlot + 1, 3)).code(),
