@@ -94,8 +94,17 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", want, " (address in use or not local?)"));
   }
-  return std::unique_ptr<GrpcServer>(
+  std::unique_ptr<GrpcServer> s(
       new GrpcServer(std::move(server), std::move(calls), bound, JoinHostPort(o.host, bound)));
+  if (!o.serving_at_start) s->SetServing(false);
+  return s;
+}
+
+void GrpcServer::SetServing(bool serving) {
+  if (shutting_down_.load()) return;
+  if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService()) {
+    h->SetServingStatus(serving);
+  }
 }
 
 GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::shared_ptr<CallCounter> calls,
@@ -111,6 +120,7 @@ GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }
 
 void GrpcServer::Shutdown(absl::Duration grace) {
   std::call_once(shutdown_once_, [&] {
+    shutting_down_.store(true);
     if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService()) {
       h->SetServingStatus(false);
     }

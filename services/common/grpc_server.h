@@ -9,6 +9,7 @@
 // and INVALID_ARGUMENT for a bad port.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -37,6 +38,9 @@ struct GrpcServerOptions {
   int max_message_bytes = 64 << 20;
   // Null: the process's (tls.h SetProcessTls), which are plaintext unless --tls-cert was given.
   std::shared_ptr<grpc::ServerCredentials> credentials;
+  // false: the health service says NOT_SERVING until SetServing(true) (a router that does not
+  // know its model yet).
+  bool serving_at_start = true;
 };
 
 class GrpcServer {
@@ -55,6 +59,8 @@ class GrpcServer {
   // `grace` plus the time handlers take to see the cancellation): idle client connections do
   // not hold it up. Returns when every handler has returned. Idempotent.
   void Shutdown(absl::Duration grace);
+  // What grpc.health.v1 reports for the server ("" service). Ignored once Shutdown began.
+  void SetServing(bool serving);
   // Calls being served now (health Watch streams, which last as long as their client wants,
   // are not counted).
   int calls_in_flight() const;
@@ -70,6 +76,7 @@ class GrpcServer {
   int port_;
   std::string address_;
   std::once_flag shutdown_once_;
+  std::atomic<bool> shutting_down_{false};
 };
 
 // "host:port", bracketing an IPv6 literal host.

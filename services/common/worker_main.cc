@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/transfer/fault_injection.h"
 #include "services/common/grpc_server.h"
+#include "services/common/model_card.h"
 #include "services/common/process_util.h"
 #include "services/common/registration.h"
 #include "services/common/registry_set.h"
@@ -125,10 +126,14 @@ int FailWorker(const std::string& binary, const std::string& what, const absl::S
 }
 
 int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
+  // The router may run without the model file and learn the model from this card.
+  absl::StatusOr<v1::ModelCard> card = BuildModelCard(f.model_path, f.ctx_size);
+  if (!card.ok()) return FailWorker(o.binary, "building the model card", card.status());
+  ModelCardService card_service(*card);
   GrpcServerOptions so;
   so.host = f.host;
   so.port = f.port;
-  so.services = {o.service};
+  so.services = {o.service, &card_service};
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(so);
   if (!server.ok()) return FailWorker(o.binary, "starting the gRPC server", server.status());
   const int bound = (*server)->port();
@@ -171,6 +176,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
     ro.registration.set_address(advertised);
     ro.registration.set_model(model_file);
     ro.registration.set_kv_blocks_total(o.kv_blocks_total);
+    ro.registration.set_model_card_hash(card_service.card().card_hash());
     ro.stats = o.stats;
     absl::StatusOr<std::unique_ptr<RegistrySet>> r = RegistrySet::Start(rs);
     if (!r.ok()) return FailWorker(o.binary, "--router", r.status());

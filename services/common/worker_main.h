@@ -109,15 +109,16 @@ struct ServeOptions {
   std::function<int()> pending_work;
 };
 
-// Serves `o.service` on --host/--port (with health and reflection); with --metrics-port also
-// serves o.metrics on http://--host:PORT/metrics, from before the port file is written until
-// after the drain. Writes --port-file once serving, prints the serving line, registers with
-// every router --router names (re-resolved every --router-resolve-ms), then waits for SIGTERM/SIGINT. Then it drains, all within --grace-ms:
-// deregisters (the router stops choosing it), keeps accepting calls briefly for those the
-// router chose it for before that and while o.pending_work() > 0, then stops accepting, lets
-// in-flight calls finish, cancels what is left at the deadline and returns 0. Returns 1 after printing
-// "<binary>: <what>: <error>" when the server, the metrics endpoint, the port file or the
-// registration cannot start.
+// Serves `o.service` and the model's card (model_card.h: a router without the model file learns the
+// model from it) on --host/--port (with health and reflection); with --metrics-port also serves
+// o.metrics on http://--host:PORT/metrics, from before the port file is written until after the
+// drain. Writes --port-file once serving, prints the serving line, registers with every router
+// --router names (re-resolved every --router-resolve-ms), then waits for SIGTERM/SIGINT. Then it
+// drains, all within --grace-ms: deregisters (the router stops choosing it), keeps accepting calls
+// briefly for those the router chose it for before that and while o.pending_work() > 0, then stops
+// accepting, lets in-flight calls finish, cancels what is left at the deadline and returns 0.
+// Returns 1 after printing "<binary>: <what>: <error>" when the model card, the server, the metrics
+// endpoint, the port file or the registration cannot start.
 int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);
 
 // Prints "<binary>: <what>: <status>" to stderr and returns 1, the exit code.

@@ -85,6 +85,15 @@ void SendError(httplib::Response& res, const HttpError& e) {
   SendJson(res, e.status, ErrorJson(e));
 }
 
+// 503 before the router knows its model (model_holder.h).
+void SendNotYetKnown(httplib::Response& res) {
+  HttpError e;
+  e.status = 503;
+  e.type = "service_unavailable_error";
+  e.message = std::string(ModelHolder::NotYetKnown().message());
+  SendError(res, e);
+}
+
 // A refusal of the router's Generate as an HTTP error; a 429 carries Retry-After (the rate
 // limiter's wait from the call's trailing metadata, else 1 s: admission frees up quickly).
 void SendGenerateError(httplib::Response& res, const grpc::ClientContext& ctx,
@@ -150,8 +159,7 @@ struct HttpServer::Call {
 };
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& o,
-                                                              const RouterModel* model,
-                                                              ChatTemplate chat) {
+                                                              const ModelHolder* models) {
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("http port must be in [0, 65535], got ", o.port));
@@ -159,8 +167,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   if (o.router_address.empty()) return absl::InvalidArgumentError("router_address is required");
   auto s = std::unique_ptr<HttpServer>(new HttpServer());
   s->o_ = o;
-  s->model_ = model;
-  s->chat_ = std::move(chat);
+  if (models == nullptr) return absl::InvalidArgumentError("the HTTP front door needs a model");
+  s->models_ = models;
   s->started_ = absl::ToUnixSeconds(absl::Now());
   s->channel_ = services::CreateClientChannel(o.router_address);  // TLS as the router serves
   s->stub_ = v1::Inference::NewStub(s->channel_);
@@ -187,7 +195,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   // (Connections made meanwhile wait in the bound socket's backlog.)
   for (int i = 0; i < 5000 && !raw->is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
   Logf("OpenAI-compatible HTTP on %s (chat template: %s)",
-       services::JoinHostPort(o.host, s->port_).c_str(), s->chat_.description().c_str());
+       services::JoinHostPort(o.host, s->port_).c_str(),
+       models->chat() != nullptr ? models->chat()->description().c_str()
+                                 : "the first worker's, once it registers");
   return s;
 }
 
@@ -252,11 +262,15 @@ void HttpServer::Register() {
     HandleGenerate(ApiKind::kChat, req, res);
   });
   s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    SendJson(res, 200, ModelsJson(*model_, started_));
+    const RouterModel* model = models_->model();
+    if (model == nullptr) return SendNotYetKnown(res);
+    SendJson(res, 200, ModelsJson(*model, started_));
   });
   s.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
     const std::string id = req.matches[1];
-    if (!model_->Matches(id)) {
+    const RouterModel* model = models_->model();
+    if (model == nullptr) return SendNotYetKnown(res);
+    if (!model->Matches(id)) {
       HttpError e;
       e.status = 404;
       e.message = absl::StrCat("model '", id, "' is not served here");
@@ -264,19 +278,23 @@ void HttpServer::Register() {
       e.code = "model_not_found";
       return SendError(res, e);
     }
-    SendJson(res, 200, ModelJson(*model_, started_));
+    SendJson(res, 200, ModelJson(*model, started_));
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    res.status = draining_ ? 503 : 200;
+    res.status = draining_ || models_->model() == nullptr ? 503 : 200;
   });
   s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     nlohmann::json out;
-    if (auto e = Tokenize(req.body, *model_, chat_, &out)) return SendError(res, *e);
+    const RouterModel* model = models_->model();
+    if (model == nullptr) return SendNotYetKnown(res);
+    if (auto e = Tokenize(req.body, *model, *models_->chat(), &out)) return SendError(res, *e);
     SendJson(res, 200, out);
   });
   s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     nlohmann::json out;
-    if (auto e = Detokenize(req.body, *model_, &out)) return SendError(res, *e);
+    const RouterModel* model = models_->model();
+    if (model == nullptr) return SendNotYetKnown(res);
+    if (auto e = Detokenize(req.body, *model, &out)) return SendError(res, *e);
     SendJson(res, 200, out);
   });
   if (o_.metrics_text) {
@@ -325,7 +343,9 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
   requests_++;
   auto c = std::make_shared<Call>();
   c->server = this;
-  if (auto e = ParseOpenAiRequest(kind, req.body, *model_, chat_, &c->req)) {
+  const RouterModel* model = models_->model();
+  if (model == nullptr) return SendNotYetKnown(res);
+  if (auto e = ParseOpenAiRequest(kind, req.body, *model, *models_->chat(), &c->req)) {
     return SendError(res, *e);
   }
   Track(c.get());

@@ -19,7 +19,8 @@
 //
 // Threading: cpp-httplib runs each connection on a thread of its own (a pool that grows on
 // demand up to max_threads; a streaming response holds its thread until it ends). All public
-// methods are thread-safe. Ownership: the model must outlive the server.
+// methods are thread-safe. Ownership: the model holder must outlive the server; until it knows
+// the model, every endpoint but /metrics answers 503.
 // Errors: Start returns UNAVAILABLE when it cannot bind.
 #pragma once
 
@@ -38,6 +39,7 @@
 #include "services/router/chat_template.h"
 #include "services/router/http_connection.h"
 #include "services/router/http_openai.h"
+#include "services/router/model_holder.h"
 #include "services/router/router_model.h"
 #include "tandem/v1/inference.grpc.pb.h"
 
@@ -66,8 +68,7 @@ struct HttpServerOptions {
 class HttpServer {
  public:
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& o,
-                                                           const RouterModel* model,
-                                                           ChatTemplate chat);
+                                                           const ModelHolder* models);
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
@@ -94,8 +95,7 @@ class HttpServer {
   void Untrack(Call* c);
 
   HttpServerOptions o_;
-  const RouterModel* model_ = nullptr;
-  ChatTemplate chat_;
+  const ModelHolder* models_ = nullptr;  // 503 until it knows the model
   int64_t started_ = 0;
   int port_ = 0;
   std::unique_ptr<httplib::Server> server_;

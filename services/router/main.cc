@@ -1,6 +1,6 @@
 // tandem-router: the cluster's front door. The only file of the router that reads flags.
 //
-//   tandem-router --model M [--port P] [--host H] [--policy least-load|round-robin|kv-aware]
+//   tandem-router [--model M] [--port P] [--host H] [--policy least-load|round-robin|kv-aware]
 //                 [--lease-ms L] [--max-inflight N] [--max-queue N] [--cpus LIST]
 //                 [--port-file F] [--http-port Q (OpenAI-compatible HTTP; 0: off)]
 //                 [--metrics-port M] [--slo-ttft-ms T] [--slo-itl-ms I]
@@ -42,7 +42,9 @@ int main(int argc, char** argv) {
   int64_t retry_ms = absl::ToInt64Milliseconds(o.retry_budget);
   int64_t grace_ms = 5000;
   std::string policy = "least-load", cpus, port_file;
-  app.add_option("--model", o.model_path, "GGUF model file (its tokenizer is used)")->required();
+  app.add_option("--model", o.model_path,
+                 "GGUF model file (only its tokenizer and metadata are read); without it the "
+                 "router learns the model from the first worker's model card");
   app.add_option("--model-id", o.model_id, "Model name clients use (default: file stem)");
   app.add_option("--host", o.host, "Address to listen on");
   app.add_option("--port", o.port, "gRPC port (0: any free port)");

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/gguf/gguf.h"
 #include "engine/model/model.h"
 #include "engine/tokenizer/tokenizer.h"
 
@@ -22,6 +23,11 @@ class RouterModel {
   // min(trained context, 4096). Requests beyond it are rejected here, before any worker.
   static absl::StatusOr<std::unique_ptr<RouterModel>> Load(const std::string& path, std::string id,
                                                            int32_t ctx_size);
+  // The same from an open GGUF (a worker's metadata-only model card, model_holder.h); `path`
+  // is the name the model file goes by (the card's model file name).
+  static absl::StatusOr<std::unique_ptr<RouterModel>> FromGguf(const gguf::GgufFile& file,
+                                                               std::string path, std::string id,
+                                                               int32_t ctx_size);
 
   const std::string& id() const { return id_; }  // the name clients use; default: file stem
   const std::string& path() const { return path_; }

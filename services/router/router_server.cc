@@ -12,41 +12,60 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
   TANDEM_RETURN_IF_ERROR(ValidateRouterOptions(o));
   auto s = std::unique_ptr<RouterServer>(new RouterServer());
   s->o_ = o;
-  TANDEM_ASSIGN_OR_RETURN(s->model_, RouterModel::Load(o.model_path, o.model_id, o.ctx_size));
+  ModelHolderOptions mo;
+  mo.model_path = o.model_path;
+  mo.model_id = o.model_id;
+  mo.ctx_size = o.ctx_size;
+  mo.need_chat = http.enabled;
+  // Learned from a card: the health service turns SERVING (it said NOT_SERVING until now).
+  mo.on_learned = [raw = s.get()](const RouterModel&) {
+    absl::MutexLock l(&raw->learn_mu_);
+    if (raw->server_ != nullptr) raw->server_->SetServing(true);
+  };
+  TANDEM_ASSIGN_OR_RETURN(s->models_, ModelHolder::Create(mo));
+  const RouterModel* known = s->models_->model();
   RegistryOptions ro;
   ro.lease = o.worker_lease;
   ro.policy = o.policy;
-  // Workers report general.name (or the architecture when the file has none).
-  const engine::ModelConfig& mc = s->model_->config();
-  ro.model_names = {s->model_->id(), s->model_->path(), mc.name.empty() ? mc.arch_name : mc.name};
+  if (known != nullptr) {
+    // Workers report general.name (or the architecture when the file has none). A model
+    // learned from a card is checked by its hash instead (ModelHolder::Admit).
+    const engine::ModelConfig& mc = known->config();
+    ro.model_names = {known->id(), known->path(), mc.name.empty() ? mc.arch_name : mc.name};
+  }
   s->registry_ = std::make_unique<WorkerRegistry>(ro);
   s->admission_ = std::make_unique<Admission>(o.max_inflight, o.max_queue);
   s->channels_ = std::make_unique<WorkerChannels>();
   s->metrics_ = std::make_unique<services::Metrics>();
+  // The model_name label: without a model file, --model-id (or "unknown") names the series.
+  const std::string metrics_model =
+      known != nullptr ? known->id() : (o.model_id.empty() ? "unknown" : o.model_id);
   s->router_metrics_ =
-      std::make_unique<RouterMetrics>(s->metrics_.get(), s->model_->id(), o.autoscale);
+      std::make_unique<RouterMetrics>(s->metrics_.get(), metrics_model, o.autoscale);
   s->metrics_->AddScrapeHook([raw = s.get()] { raw->RefreshMetrics(); });
-  s->inference_ = std::make_unique<InferenceService>(s->model_.get(), s->registry_.get(),
+  s->inference_ = std::make_unique<InferenceService>(s->models_.get(), s->registry_.get(),
                                                      s->admission_.get(), s->channels_.get(), o,
                                                      s->router_metrics_.get());
-  s->registry_service_ = std::make_unique<RegistryService>(s->registry_.get());
+  s->registry_service_ =
+      std::make_unique<RegistryService>(s->registry_.get(), s->models_.get());
 
   services::GrpcServerOptions so;
   so.host = o.host;
   so.port = o.port;
   so.services = {s->inference_.get(), s->registry_service_.get()};
   so.max_message_bytes = o.max_message_bytes;
-  TANDEM_ASSIGN_OR_RETURN(s->server_, services::GrpcServer::Start(so));
+  so.serving_at_start = known != nullptr;
+  {
+    // A worker may register (and the model be learned) as soon as the server runs: on_learned
+    // must see server_ set, so it waits here for the assignment.
+    absl::MutexLock l(&s->learn_mu_);
+    TANDEM_ASSIGN_OR_RETURN(s->server_, services::GrpcServer::Start(so));
+  }
   s->sweeper_ = std::thread([raw = s.get()] { raw->SweepLoop(); });
   if (http.enabled) {
-    // The chat template is GGUF metadata the tokenizer does not keep: read it here (the
-    // mapping is opened again, but only the metadata is touched).
-    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gguf::GgufFile> file,
-                            gguf::GgufFile::Open(s->model_->path()));
-    TANDEM_ASSIGN_OR_RETURN(ChatTemplate chat, ChatTemplate::FromGguf(*file));
-    if (chat.is_fallback()) {
+    if (known != nullptr && s->models_->chat()->is_fallback()) {
       Logf("chat: %s; /v1/chat/completions renders chatml-shaped plain text",
-           chat.description().c_str());
+           s->models_->chat()->description().c_str());
     }
     HttpServerOptions ho;
     ho.host = o.host;
@@ -59,7 +78,7 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
     if (!ho.metrics_text) {
       ho.metrics_text = [m = s->metrics_.get()] { return m->Render(); };
     }
-    TANDEM_ASSIGN_OR_RETURN(s->http_, HttpServer::Start(ho, s->model_.get(), std::move(chat)));
+    TANDEM_ASSIGN_OR_RETURN(s->http_, HttpServer::Start(ho, s->models_.get()));
   }
   if (o.metrics_port > 0) {
     TANDEM_ASSIGN_OR_RETURN(
@@ -67,10 +86,17 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
         services::MetricsServer::Start(o.host, o.metrics_port, s->metrics_.get()));
     Logf("metrics on %s", s->metrics_server_->url().c_str());
   }
-  Logf("serving %s (%s, context %d, vocab %d) on %s:%d, policy %s, lease %lld ms",
-       s->model_->id().c_str(), s->model_->config().arch_name.c_str(), s->model_->ctx_size(),
-       s->model_->vocab_size(), o.host.c_str(), s->server_->port(), PolicyName(o.policy),
-       static_cast<long long>(absl::ToInt64Milliseconds(o.worker_lease)));
+  if (known != nullptr) {
+    Logf("serving %s (%s, context %d, vocab %d) on %s:%d, policy %s, lease %lld ms",
+         known->id().c_str(), known->config().arch_name.c_str(), known->ctx_size(),
+         known->vocab_size(), o.host.c_str(), s->server_->port(), PolicyName(o.policy),
+         static_cast<long long>(absl::ToInt64Milliseconds(o.worker_lease)));
+  } else {
+    Logf("serving on %s:%d, policy %s, lease %lld ms; no --model: the model comes from the "
+         "first worker's model card (NOT_SERVING until then)",
+         o.host.c_str(), s->server_->port(), PolicyName(o.policy),
+         static_cast<long long>(absl::ToInt64Milliseconds(o.worker_lease)));
+  }
   return s;
 }
 

@@ -1,16 +1,19 @@
-// RouterServer: the router process minus flag parsing. Owns the model's tokenizer, the worker
-// registry, admission control, the worker channels and the gRPC server (services/common's
-// bootstrap) that hosts the Inference and Registry services plus grpc.health.v1 and reflection. A
-// background thread expires worker leases. With HttpFrontOptions::enabled it also runs the
-// OpenAI-compatible HTTP front door (http_server.h), which sends completions to this router's own
-// gRPC endpoint over loopback, so both front doors share one code path. It records Prometheus
-// metrics (router_metrics.h) served on the HTTP front door's GET /metrics and, with
+// RouterServer: the router process minus flag parsing. Owns the model's tokenizer (model_holder.h),
+// the worker registry, admission control, the worker channels and the gRPC server
+// (services/common's bootstrap) that hosts the Inference and Registry services plus grpc.health.v1
+// and reflection. A background thread expires worker leases. With HttpFrontOptions::enabled it also
+// runs the OpenAI-compatible HTTP front door (http_server.h), which sends completions to this
+// router's own gRPC endpoint over loopback, so both front doors share one code path. It records
+// Prometheus metrics (router_metrics.h) served on the HTTP front door's GET /metrics and, with
 // RouterOptions::metrics_port, on a /metrics endpoint of their own.
 //
 // Lifecycle: Create (listens and serves before it returns) -> Shutdown (health turns
 // NOT_SERVING, new requests are refused with UNAVAILABLE, running ones get `grace` to finish,
 // then everything left is cancelled and connections close) -> destruction.
 // Threading: port() and the accessors may be called from any thread; Shutdown once.
+// Without RouterOptions::model_path the router learns the model from the first worker that
+// registers (model_holder.h): until then requests get UNAVAILABLE and grpc.health.v1 says
+// NOT_SERVING (the HTTP /health 503).
 // Errors: Create fails on bad options (INVALID_ARGUMENT), an unreadable model, or a port it
 // cannot bind (UNAVAILABLE).
 #pragma once
@@ -27,6 +30,7 @@
 #include "services/common/metrics.h"
 #include "services/router/admission.h"
 #include "services/router/http_server.h"
+#include "services/router/model_holder.h"
 #include "services/router/router_model.h"
 #include "services/router/router_service.h"
 #include "services/router/worker_channels.h"
@@ -56,7 +60,9 @@ class RouterServer {
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 
   WorkerRegistry& registry() { return *registry_; }
-  const RouterModel& model() const { return *model_; }
+  // The served model; only once it is known (with a model file: always).
+  const RouterModel& model() const { return *models_->model(); }
+  const ModelHolder& models() const { return *models_; }
   const InferenceService& inference() const { return *inference_; }
   services::Metrics& metrics() { return *metrics_; }
   RouterMetrics& router_metrics() { return *router_metrics_; }
@@ -68,7 +74,8 @@ class RouterServer {
   void RefreshMetrics();  // the scrape hook: gauges from admission and the registry
 
   RouterOptions o_;
-  std::unique_ptr<RouterModel> model_;
+  std::unique_ptr<ModelHolder> models_;
+  absl::Mutex learn_mu_;  // orders learning the model after server_ is set
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<WorkerChannels> channels_;

@@ -120,7 +120,6 @@ class InferenceService::RouterText {
 };
 
 absl::Status ValidateRouterOptions(const RouterOptions& o) {
-  if (o.model_path.empty()) return absl::InvalidArgumentError("model is required");
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port must be in [0, 65535], got ", o.port));
   }
@@ -219,10 +218,10 @@ struct InferenceService::Call {
   }
 };
 
-InferenceService::InferenceService(const RouterModel* model, WorkerRegistry* registry,
+InferenceService::InferenceService(const ModelHolder* models, WorkerRegistry* registry,
                                    Admission* admission, WorkerChannels* channels,
                                    const RouterOptions& o, RouterMetrics* metrics)
-    : model_(model),
+    : models_(models),
       registry_(registry),
       admission_(admission),
       channels_(channels),
@@ -233,8 +232,9 @@ InferenceService::InferenceService(const RouterModel* model, WorkerRegistry* reg
       prefix_index_(o.prefix_index) {}
 
 absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const {
+  if (model() == nullptr) return ModelHolder::NotYetKnown();
   // The rules live in request_validation.h, shared with the fuzz targets.
-  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(req, *model_, RequestLimits{}, &out->prompt,
+  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(req, *model(), RequestLimits{}, &out->prompt,
                                                  &out->engine_sampling));
   const int64_t need = static_cast<int64_t>(out->prompt.size()) + out->engine_sampling.max_tokens;
   out->sampling = services::SamplingToProto(out->engine_sampling);
@@ -690,7 +690,7 @@ bool InferenceService::StartMigration(Call& c, const absl::Status& st) {
   // A worker that still answers may still hold the sequence: free its blocks now.
   if (st.code() != absl::StatusCode::kUnavailable) CancelOnDecode(c.decode_address, c.id);
   if (c.text == nullptr) {
-    c.text = std::make_unique<RouterText>(model_->tokenizer(), c.req.prompt, c.req.engine_sampling);
+    c.text = std::make_unique<RouterText>(model()->tokenizer(), c.req.prompt, c.req.engine_sampling);
     std::string replay;
     for (int32_t t : c.sent_tokens) replay += c.text->Push(t);
     if (replay != c.sent_text) {
@@ -740,12 +740,13 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* ctx, const v1::Toke
       return services::ToGrpcStatus(tenant.status());
     }
   }
-  if (!model_->Matches(req->model())) {
+  if (model() == nullptr) return services::ToGrpcStatus(ModelHolder::NotYetKnown());
+  if (!model()->Matches(req->model())) {
     return services::ToGrpcStatus(absl::NotFoundError(absl::StrCat(
-        "model '", req->model(), "' is not served here; this router serves '", model_->id(), "'")));
+        "model '", req->model(), "' is not served here; this router serves '", model()->id(), "'")));
   }
   const std::vector<int32_t> ids =
-      model_->tokenizer().Encode(req->text(), req->add_special(), /*parse_special=*/true);
+      model()->tokenizer().Encode(req->text(), req->add_special(), /*parse_special=*/true);
   resp->mutable_token_ids()->Add(ids.begin(), ids.end());
   return grpc::Status::OK;
 }
@@ -757,16 +758,23 @@ grpc::Status InferenceService::ListModels(grpc::ServerContext* ctx, const v1::Li
       return services::ToGrpcStatus(tenant.status());
     }
   }
+  if (model() == nullptr) return services::ToGrpcStatus(ModelHolder::NotYetKnown());
   v1::ModelInfo* m = resp->add_models();
-  m->set_id(model_->id());
-  m->set_architecture(model_->config().arch_name);
-  m->set_context_length(model_->ctx_size());
-  m->set_vocab_size(model_->vocab_size());
+  m->set_id(model()->id());
+  m->set_architecture(model()->config().arch_name);
+  m->set_context_length(model()->ctx_size());
+  m->set_vocab_size(model()->vocab_size());
   return grpc::Status::OK;
 }
 
 grpc::Status RegistryService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
                                        v1::RegisterResponse* resp) {
+  if (models_ != nullptr) {
+    if (absl::Status st = models_->Admit(*req); !st.ok()) {
+      Logf("register %s refused: %s", req->worker_id().c_str(), st.ToString().c_str());
+      return services::ToGrpcStatus(st);
+    }
+  }
   if (absl::Status st = registry_->Register(*req); !st.ok()) {
     Logf("register %s refused: %s", req->worker_id().c_str(), st.ToString().c_str());
     return services::ToGrpcStatus(st);

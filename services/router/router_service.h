@@ -58,6 +58,7 @@
 #include "services/router/autoscale.h"
 #include "services/router/router_metrics.h"
 #include "services/router/prefix_index.h"
+#include "services/router/model_holder.h"
 #include "services/router/router_model.h"
 #include "services/router/worker_channels.h"
 #include "services/router/worker_registry.h"
@@ -67,8 +68,8 @@
 namespace tandem::router {
 
 struct RouterOptions {
-  std::string model_path;
-  std::string model_id;  // empty: the model file's stem
+  std::string model_path;  // empty: learn the model from the first worker (model_holder.h)
+  std::string model_id;    // empty: the model file's stem
   int32_t ctx_size = 0;  // 0: min(trained context, 4096), as the workers default to
   std::string host = "0.0.0.0";
   int port = 0;  // 0: any free port (see RouterServer::port())
@@ -117,7 +118,8 @@ struct PreparedRequest {
 class InferenceService final : public v1::Inference::Service {
  public:
   // `metrics` (may be null: nothing recorded) must outlive the service.
-  InferenceService(const RouterModel* model, WorkerRegistry* registry, Admission* admission,
+  // Every call answers UNAVAILABLE while `models` knows no model yet (model_holder.h).
+  InferenceService(const ModelHolder* models, WorkerRegistry* registry, Admission* admission,
                    WorkerChannels* channels, const RouterOptions& o,
                    RouterMetrics* metrics = nullptr);
 
@@ -129,7 +131,7 @@ class InferenceService final : public v1::Inference::Service {
                           v1::ListModelsResponse* resp) override;
 
   // Validation and tokenisation alone (INVALID_ARGUMENT naming the field, NOT_FOUND for
-  // another model). Public for tests.
+  // another model, UNAVAILABLE before the model is known). Public for tests.
   absl::Status Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const;
 
   uint64_t requests_ok() const { return ok_.load(); }
@@ -158,7 +160,10 @@ class InferenceService final : public v1::Inference::Service {
   bool ClaimId(const std::string& id);
   void ReleaseId(const std::string& id);
 
-  const RouterModel* model_;
+  // Known (non-null) in everything Generate, Tokenize and ListModels call after their check.
+  const RouterModel* model() const { return models_->model(); }
+
+  const ModelHolder* models_;
   WorkerRegistry* registry_;
   Admission* admission_;
   WorkerChannels* channels_;
@@ -179,7 +184,10 @@ class InferenceService final : public v1::Inference::Service {
 
 class RegistryService final : public v1::Registry::Service {
  public:
-  explicit RegistryService(WorkerRegistry* registry) : registry_(registry) {}
+  // `models` (may be null: every worker is admitted by the registry alone) decides first
+  // whether a worker's model may join (model_holder.h).
+  explicit RegistryService(WorkerRegistry* registry, ModelHolder* models = nullptr)
+      : registry_(registry), models_(models) {}
 
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterResponse* resp) override;
@@ -192,6 +200,7 @@ class RegistryService final : public v1::Registry::Service {
 
  private:
   WorkerRegistry* registry_;
+  ModelHolder* models_;
 };
 
 }  // namespace tandem::router
