@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -227,7 +229,7 @@ std::vector<std::string> FaultCluster::WorkerArgs(const std::string& role,
                                 "--port",      "0",
                                 "--port-file", (dir_ / (name + ".port")).string(),
                                 "--worker-id", name,
-                                "--router",    router_address_,
+                                "--router",    absl::StrJoin(router_addresses_, ","),
                                 "--threads",   "1",
                                 "--transport", "ucx",
                                 "--ucx-tls",   "shm",
@@ -273,23 +275,26 @@ absl::Status FaultCluster::Spawn(Proc& p, absl::Time deadline) {
 
 absl::Status FaultCluster::Start(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  auto router = std::make_unique<Proc>();
-  router->name = router->role = "router";
-  router->binary = "tandem-router";
-  router->port_file = (dir_ / "router.port").string();
-  router->args = {"--model",     FaultModelPath().string(),
-                  "--host",      "127.0.0.1",
-                  "--port",      "0",
-                  "--port-file", router->port_file,
-                  "--lease-ms",  std::to_string(o_.lease_ms),
-                  "--ctx-size",  std::to_string(o_.ctx_size)};
-  router->args.insert(router->args.end(), o_.router_args.begin(), o_.router_args.end());
-  procs_.push_back(std::move(router));
-  if (absl::Status st = Spawn(*procs_.back(), deadline); !st.ok()) return st;
-  router_address_ = absl::StrCat("127.0.0.1:", procs_.back()->port);
-  channel_ = grpc::CreateChannel(router_address_, grpc::InsecureChannelCredentials());
-  inference_ = v1::Inference::NewStub(channel_);
-  registry_ = v1::Registry::NewStub(channel_);
+  for (int i = 0; i < std::max(1, o_.routers); ++i) {
+    auto router = std::make_unique<Proc>();
+    router->name = RouterName(i);
+    router->role = "router";
+    router->binary = "tandem-router";
+    router->port_file = (dir_ / (router->name + ".port")).string();
+    const bool without_model =
+        std::find(o_.routers_without_model.begin(), o_.routers_without_model.end(), i) !=
+        o_.routers_without_model.end();
+    if (!without_model) router->args = {"--model", FaultModelPath().string()};
+    router->args.insert(router->args.end(),
+                        {"--host", "127.0.0.1", "--port", "0", "--port-file", router->port_file,
+                         "--lease-ms", std::to_string(o_.lease_ms), "--ctx-size",
+                         std::to_string(o_.ctx_size)});
+    router->args.insert(router->args.end(), o_.router_args.begin(), o_.router_args.end());
+    procs_.push_back(std::move(router));
+    if (absl::Status st = Spawn(*procs_.back(), deadline); !st.ok()) return st;
+    router_addresses_.push_back(absl::StrCat("127.0.0.1:", procs_.back()->port));
+  }
+  UseRouter(0);
 
   if (o_.kvstore) {
     auto kv = std::make_unique<Proc>();
@@ -310,6 +315,7 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
     }
   }
 
+  if (o_.before_workers) o_.before_workers(*this);
   for (const auto& [role, n] : {std::pair<std::string, int>{"prefill", o_.prefill},
                                 std::pair<std::string, int>{"decode", o_.decode}}) {
     for (int i = 0; i < n; ++i) {
@@ -332,6 +338,17 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
   });
   if (!all) return absl::DeadlineExceededError("not every worker registered with the router");
   return absl::OkStatus();
+}
+
+std::string FaultCluster::RouterName(int i) {
+  return i == 0 ? "router" : absl::StrCat("router-", i);
+}
+
+void FaultCluster::UseRouter(int i) {
+  router_address_ = router_addresses_.at(i);
+  channel_ = grpc::CreateChannel(router_address_, grpc::InsecureChannelCredentials());
+  inference_ = v1::Inference::NewStub(channel_);
+  registry_ = v1::Registry::NewStub(channel_);
 }
 
 ChildProcess* FaultCluster::process(const std::string& name) {

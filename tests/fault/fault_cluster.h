@@ -1,5 +1,5 @@
 // FaultCluster: a tandem cluster of real processes on loopback for the fault-injection suite
-// (tests/fault): tandem-router, N tandem-prefill, M tandem-decode and optionally a
+// (tests/fault): one or more tandem-router, N tandem-prefill, M tandem-decode and optionally a
 // tandem-kvstore, each a ChildProcess (tests/fakes/child_process.h) the test can signal, kill
 // and restart by name. The test then talks to the router like any client and reads the
 // workers' own Stats over gRPC to check resource counters (running, waiting, reservations, free
@@ -20,6 +20,7 @@
 #include <sys/types.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +39,8 @@ namespace tandem::testing {
 // The real trained model the suite runs (tests skip without ../shared/models).
 std::filesystem::path FaultModelPath();
 
+class FaultCluster;
+
 struct FaultClusterOptions {
   std::string name;  // part of the run directory's name
   int prefill = 1;
@@ -48,6 +51,13 @@ struct FaultClusterOptions {
   std::vector<std::string> router_args, prefill_args, decode_args, kvstore_args;
   // Extra flags for one worker only, by name ("decode-0").
   std::map<std::string, std::vector<std::string>> worker_args;
+  // Routers ("router", then "router-1", ...), each on its own port; every worker registers
+  // with all of them (--router A,B,...). The client calls go to router 0 until UseRouter.
+  int routers = 1;
+  // Indexes of the routers started without --model (they learn it from the workers' cards).
+  std::vector<int> routers_without_model;
+  // Runs after the routers (and the kvstore) serve, before any worker starts.
+  std::function<void(FaultCluster&)> before_workers;
 };
 
 struct Completion {
@@ -110,7 +120,13 @@ class FaultCluster {
   // registered with the router and serving.
   absl::Status Start(absl::Duration timeout = absl::Seconds(40));
 
+  // The router the client calls go to (router 0 unless UseRouter chose another).
   const std::string& router_address() const { return router_address_; }
+  std::string router_address(int i) const { return router_addresses_.at(i); }
+  // "router" for 0, "router-I" otherwise (process names).
+  static std::string RouterName(int i);
+  // Generate, Workers, Registered and WaitIdle talk to router i from now on.
+  void UseRouter(int i);
   const std::filesystem::path& dir() const { return dir_; }
   // "router", "kvstore", "prefill-0", "decode-1", ...; null when unknown or stopped by Remove.
   ChildProcess* process(const std::string& name);
@@ -153,6 +169,7 @@ class FaultCluster {
   FaultClusterOptions o_;
   std::filesystem::path dir_;
   std::string router_address_;
+  std::vector<std::string> router_addresses_;
   int kvstore_port_ = 0;
   int kvstore_starts_ = 0;
   std::vector<std::unique_ptr<Proc>> procs_;
