@@ -175,6 +175,12 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateClientChannel(const std::st
   return grpc::CreateCustomChannel(target, *creds, args);
 }
 
+grpc::ChannelArguments RouterChannelArgs() {
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
+  return args;
+}
+
 std::vector<std::string> TlsFlagArgs(const TlsOptions& t) {
   std::vector<std::string> a;
   if (!t.cert_file.empty()) a.insert(a.end(), {"--tls-cert", t.cert_file});

@@ -87,6 +87,12 @@ std::shared_ptr<grpc::Channel> CreateClientChannel(const std::string& target,
 absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateClientChannel(
     const std::string& target, const TlsOptions& tls, grpc::ChannelArguments args = {});
 
+// Client arguments for dialling the routers (tandem client, tandem bench): round_robin over
+// every address the target resolves to, so a router Service name (several routers) spreads
+// calls over all of them and a dead one is skipped while the others are READY. gRPC 1.51's
+// default resolver (c-ares) returns every /etc/hosts line of a name and every DNS A/AAAA record.
+grpc::ChannelArguments RouterChannelArgs();
+
 // The flags that reproduce `tls` on a child process's command line (tandem cluster up).
 std::vector<std::string> TlsFlagArgs(const TlsOptions& tls);
 

@@ -304,7 +304,8 @@ absl::Status RunBench(const BenchOptions& o) {
   absl::StatusOr<bench::Arrival> arrival = bench::ParseArrival(o.arrival);
   if (!arrival.ok()) return arrival.status();
 
-  auto channel = services::CreateClientChannel(o.router);  // TLS when --tls-* were given
+  // TLS when --tls-* were given; round_robin over every router the name resolves to.
+  auto channel = services::CreateClientChannel(o.router, services::RouterChannelArgs());
   v1::ListModelsResponse models;
   {
     grpc::ClientContext cc;

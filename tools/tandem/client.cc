@@ -50,7 +50,8 @@ absl::Status RunClient(const ClientOptions& o) {
   if (o.router.empty()) return absl::InvalidArgumentError("--router is required");
   const auto t_start = Clock::now();
   // TLS when `tandem` was given --tls-* (services/common/tls.h).
-  auto channel = services::CreateClientChannel(o.router);
+  // round_robin: a name listing several routers spreads clients over them (tls.h).
+  auto channel = services::CreateClientChannel(o.router, services::RouterChannelArgs());
   auto stub = v1::Inference::NewStub(channel);
 
   v1::GenerateRequest req;
