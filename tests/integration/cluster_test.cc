@@ -1,5 +1,7 @@
-// A real cluster on loopback: `tandem cluster up` starts tandem-router, tandem-prefill and
-// tandem-decode processes, and the test talks to them over gRPC like any client.
+// A real cluster on loopback: `tandem cluster up` starts tandem-router(s), a tandem-kvstore,
+// tandem-prefill and tandem-decode processes, and the test talks to them over gRPC like any
+// client.
+// - With --routers 2 (and --kvstore 0) both routers list every worker and serve the same text.
 // - Output through 1P+1D and 2P+3D clusters is token-identical to `tandem generate`, greedy
 //   and seeded, for 20 prompts (several spanning many 16-token KV blocks), and the KV crossed
 //   the transport (the workers' transport byte counters).
@@ -11,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -168,14 +171,14 @@ std::vector<Completion> References(bool seeded) {
 
 class Cluster {
  public:
-  Cluster(const std::string& name, int prefill, int decode) {
+  Cluster(const std::string& name, int prefill, int decode, const std::string& extra = "") {
     dir_ = fs::temp_directory_path() / absl::StrCat("tandem-cluster-", getpid(), "-", name);
     fs::remove_all(dir_);
     const Result r = RunTandem(
         absl::StrCat("cluster up --model ", Quote(kModel.string()), " --prefill ", prefill,
                      " --decode ", decode, " --dir ", Quote(dir_.string()),
                      " --router-port 0 --http-port 0 --threads 1 --transport ucx --ucx-tls shm",
-                     " --ctx-size ", kCtx, " --lease-ms 2000 --timeout-ms 90000"),
+                     " --ctx-size ", kCtx, " --lease-ms 2000 --timeout-ms 90000", extra),
         150);
     if (r.exit_code != 0) {
       error_ = absl::StrCat("cluster up exited ", r.exit_code, ":\n", r.err, r.out);
@@ -183,6 +186,7 @@ class Cluster {
     }
     const json state = json::parse(Slurp(dir_ / "cluster.json"));
     router_ = state["router"].get<std::string>();
+    routers_ = state["routers"].get<std::vector<std::string>>();
     channel_ = grpc::CreateChannel(router_, grpc::InsecureChannelCredentials());
     inference_ = v1::Inference::NewStub(channel_);
     registry_ = v1::Registry::NewStub(channel_);
@@ -209,6 +213,7 @@ class Cluster {
   const std::string& error() const { return error_; }
   const fs::path& dir() const { return dir_; }
   const std::string& router() const { return router_; }
+  const std::vector<std::string>& routers() const { return routers_; }
 
   static v1::GenerateRequest Request(const std::string& prompt, const Sampling& s) {
     v1::GenerateRequest req;
@@ -284,6 +289,7 @@ class Cluster {
   bool up_ = false;
   std::string error_;
   std::string router_;
+  std::vector<std::string> routers_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Inference::Stub> inference_;
   std::unique_ptr<v1::Registry::Stub> registry_;
@@ -377,13 +383,111 @@ TEST_F(ClusterTest, OnePrefillOneDecodeMatchesGenerateAndMovesKvOverTheTransport
   ASSERT_EQ(status.exit_code, 0) << status.err;
   const json s = json::parse(status.out);
   EXPECT_TRUE(s["router_healthy"].get<bool>());
-  ASSERT_EQ(s["processes"].size(), 3u);
+  ASSERT_EQ(s["processes"].size(), 4u);  // router, kvstore (the default), prefill, decode
   for (const json& p : s["processes"]) {
     EXPECT_TRUE(p["alive"].get<bool>()) << p["name"];
-    if (p["role"] != "router") {
+    if (p["role"] != "router" && p["role"] != "kvstore") {
       EXPECT_TRUE(p["registered"].get<bool>()) << p["name"];
     }
   }
+  ASSERT_EQ(s["routers"].size(), 1u);
+  EXPECT_TRUE(s["routers"][0]["healthy"].get<bool>());
+  ASSERT_TRUE(s["kvstore"].is_object());
+  EXPECT_TRUE(s["kvstore"]["alive"].get<bool>());
+  // The prefill worker was pointed at the kvstore.
+  for (const json& p : s["processes"]) {
+    if (p["role"] != "prefill") continue;
+    const auto args = p["args"].get<std::vector<std::string>>();
+    const auto it = std::find(args.begin(), args.end(), "--kvstore");
+    ASSERT_NE(it, args.end());
+    EXPECT_EQ(*(it + 1), s["kvstore"]["address"].get<std::string>());
+  }
+}
+
+// The deployed shape on loopback: two routers, every worker registered with both; a request
+// through either router gets the same text. --kvstore 0 leaves the kvstore out.
+TEST_F(ClusterTest, TwoRoutersBothKnowEveryWorkerAndServe) {
+  Cluster cluster("2routers", 1, 2, " --routers 2 --kvstore 0");
+  ASSERT_TRUE(cluster.up()) << cluster.error();
+  ASSERT_EQ(cluster.routers().size(), 2u);
+  EXPECT_EQ(cluster.routers()[0], cluster.router());
+  const std::vector<std::string> want = {"decode-0", "decode-1", "prefill-0"};
+  const Sampling greedy{0.0f, 0, 24, false};
+  std::vector<int32_t> first_tokens;
+  for (const std::string& router : cluster.routers()) {
+    auto channel = grpc::CreateChannel(router, grpc::InsecureChannelCredentials());
+    v1::ListWorkersResponse resp;
+    ASSERT_TRUE(v1::Registry::NewStub(channel)
+                    ->ListWorkers(Cluster::Deadline(absl::Seconds(5)).get(),
+                                  v1::ListWorkersRequest(), &resp)
+                    .ok());
+    std::vector<std::string> ids;
+    for (const v1::WorkerInfo& w : resp.workers()) ids.push_back(w.worker_id());
+    EXPECT_EQ(ids, want) << router;
+    grpc::ClientContext cc;
+    cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    auto stub = v1::Inference::NewStub(channel);
+    const Completion c =
+        Cluster::Drain(stub->Generate(&cc, Cluster::Request("Once upon a time", greedy)).get());
+    ASSERT_TRUE(c.status.ok()) << router << ": " << c.status.error_message();
+    EXPECT_FALSE(c.tokens.empty());
+    if (first_tokens.empty()) {
+      first_tokens = c.tokens;
+    } else {
+      EXPECT_EQ(c.tokens, first_tokens) << router;
+    }
+  }
+  Result status = RunTandem(absl::StrCat("cluster status --json --dir ", Quote(cluster.dir())));
+  ASSERT_EQ(status.exit_code, 0) << status.err;
+  const json s = json::parse(status.out);
+  ASSERT_EQ(s["routers"].size(), 2u);
+  for (const json& r : s["routers"]) {
+    EXPECT_TRUE(r["healthy"].get<bool>()) << r["address"];
+    EXPECT_EQ(r["workers"].get<std::vector<std::string>>(), want) << r["address"];
+  }
+  EXPECT_TRUE(s["kvstore"].is_null());
+  EXPECT_EQ(s["processes"].size(), 5u);  // two routers, three workers
+  // Every worker was given both routers.
+  for (const json& p : s["processes"]) {
+    if (p["role"] == "router") continue;
+    const auto args = p["args"].get<std::vector<std::string>>();
+    const auto it = std::find(args.begin(), args.end(), "--router");
+    ASSERT_NE(it, args.end());
+    EXPECT_EQ(*(it + 1), cluster.routers()[0] + "," + cluster.routers()[1]);
+  }
+  // `tandem bench` dials with round_robin: given both routers as one target (what a name
+  // listing several routers resolves to), it spreads its requests over both.
+  auto routed = [&](const std::string& router) {
+    uint64_t n = 0;
+    auto channel = grpc::CreateChannel(router, grpc::InsecureChannelCredentials());
+    v1::ListWorkersResponse resp;
+    EXPECT_TRUE(v1::Registry::NewStub(channel)
+                    ->ListWorkers(Cluster::Deadline(absl::Seconds(5)).get(),
+                                  v1::ListWorkersRequest(), &resp)
+                    .ok());
+    for (const v1::WorkerInfo& w : resp.workers()) {
+      if (w.role() == v1::WORKER_ROLE_DECODE) n += w.requests_routed();
+    }
+    return n;
+  };
+  const uint64_t before0 = routed(cluster.routers()[0]), before1 = routed(cluster.routers()[1]);
+  const std::string both = absl::StrCat("ipv4:", cluster.routers()[0], ",", cluster.routers()[1]);
+  Result bench = RunTandem(absl::StrCat("bench --router ", both,
+                                        " --num-requests 8 --concurrency 2 --input-len 8",
+                                        " --output-len 4 --seed 1 --out ",
+                                        Quote((cluster.dir() / "bench.json").string())),
+                           120);
+  ASSERT_EQ(bench.exit_code, 0) << bench.err << bench.out;
+  const uint64_t via0 = routed(cluster.routers()[0]) - before0;
+  const uint64_t via1 = routed(cluster.routers()[1]) - before1;
+  EXPECT_EQ(via0 + via1, 8u);
+  EXPECT_GE(via0, 2u);
+  EXPECT_GE(via1, 2u);
+
+  Result text = RunTandem(absl::StrCat("cluster status --dir ", Quote(cluster.dir())));
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("router-1"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("kvstore: none"), std::string::npos) << text.out;
 }
 
 TEST_F(ClusterTest, TwoPrefillThreeDecodeMatchesGenerateUnderConcurrency) {
@@ -527,7 +631,7 @@ TEST_F(ClusterTest, AddedWorkerGetsTrafficAndRemovedWorkerDrainsWithoutFailures)
   workers = cluster.Workers();
   EXPECT_EQ(workers.size(), 2u);
   const json state = json::parse(Slurp(cluster.dir() / "cluster.json"));
-  EXPECT_EQ(state["processes"].size(), 3u);  // router, prefill-0, the survivor
+  EXPECT_EQ(state["processes"].size(), 4u);  // router, kvstore, prefill-0, the survivor
 }
 
 }  // namespace

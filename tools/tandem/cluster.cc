@@ -49,7 +49,9 @@ struct Proc {
 
 struct State {
   std::string dir, model, bin_dir;
-  std::string router_address;
+  std::string router_address;                // the first router's
+  std::vector<std::string> router_addresses;  // every router's, the first first
+  std::string kvstore_address;                // empty: no kvstore
   int router_port = 0, http_port = 0;
   int threads = 1;
   bool pin = false;
@@ -77,6 +79,8 @@ json ToJson(const State& s) {
   j["model"] = s.model;
   j["bin_dir"] = s.bin_dir;
   j["router"] = s.router_address;
+  j["routers"] = s.router_addresses;
+  j["kvstore"] = s.kvstore_address;
   j["router_port"] = s.router_port;
   j["http_port"] = s.http_port;
   j["settings"] = {{"threads", s.threads},     {"pin", s.pin},
@@ -135,6 +139,8 @@ absl::StatusOr<State> LoadState(const std::string& dir) {
     s.model = j.at("model").get<std::string>();
     s.bin_dir = j.at("bin_dir").get<std::string>();
     s.router_address = j.at("router").get<std::string>();
+    s.router_addresses = j.value("routers", std::vector<std::string>{s.router_address});
+    s.kvstore_address = j.value("kvstore", std::string());
     s.router_port = j.at("router_port").get<int>();
     s.http_port = j.at("http_port").get<int>();
     const json& st = j.at("settings");
@@ -342,6 +348,7 @@ void RefreshStats(v1::WorkerInfo* w) {
 
 const char* BinaryFor(const std::string& role) {
   if (role == "router") return "tandem-router";
+  if (role == "kvstore") return "tandem-kvstore";
   if (role == "prefill") return "tandem-prefill";
   return "tandem-decode";  // decode and colocated
 }
@@ -357,7 +364,7 @@ Proc MakeWorker(State& s, const std::string& role, const std::string& name) {
             "--port",      "0",
             "--port-file", PortPath(s, name).string(),
             "--worker-id", name,
-            "--router",    s.router_address,
+            "--router",    absl::StrJoin(s.router_addresses, ","),
             "--threads",   std::to_string(s.threads)};
   if (role == "colocated") {
     // One engine prefills and decodes; no KV ever crosses a transport.
@@ -365,6 +372,10 @@ Proc MakeWorker(State& s, const std::string& role, const std::string& name) {
   } else {
     if (role == "decode") p.args.insert(p.args.end(), {"--role", "decode"});
     p.args.insert(p.args.end(), {"--transport", s.transport, "--ucx-tls", s.ucx_tls});
+    // Prefill workers onboard shared prefixes from the kvstore and publish to it.
+    if (role == "prefill" && !s.kvstore_address.empty()) {
+      p.args.insert(p.args.end(), {"--kvstore", s.kvstore_address});
+    }
   }
   if (s.ctx_size > 0) p.args.insert(p.args.end(), {"--ctx-size", std::to_string(s.ctx_size)});
   if (role != "prefill") {
@@ -430,17 +441,23 @@ absl::Status WaitRegistered(const State& s, const std::set<std::string>& names,
   std::string missing;
   absl::Status last;
   while (true) {
-    std::set<std::string> pending = names;
-    absl::StatusOr<std::vector<v1::WorkerInfo>> workers =
-        ListWorkers(s.router_address, absl::Seconds(2));
-    if (workers.ok()) {
-      for (const v1::WorkerInfo& w : *workers) pending.erase(w.worker_id());
-      if (pending.empty()) return absl::OkStatus();
-    } else {
-      last = workers.status();
+    // Every worker must be known to every router.
+    std::set<std::string> pending;
+    for (const std::string& router : s.router_addresses) {
+      std::set<std::string> here = names;
+      absl::StatusOr<std::vector<v1::WorkerInfo>> workers = ListWorkers(router, absl::Seconds(2));
+      if (workers.ok()) {
+        for (const v1::WorkerInfo& w : *workers) here.erase(w.worker_id());
+      } else {
+        last = workers.status();
+      }
+      for (const std::string& n : here) pending.insert(s.router_addresses.size() == 1
+                                                           ? n
+                                                           : absl::StrCat(n, " (at ", router, ")"));
     }
+    if (pending.empty()) return absl::OkStatus();
     for (const Proc& p : s.procs) {
-      if (!names.contains(p.name) && p.role != "router") continue;
+      if (!names.contains(p.name) && p.role != "router" && p.role != "kvstore") continue;
       Reap(p.pid);
       if (!Alive(p.pid, p.binary)) {
         return absl::UnavailableError(
@@ -450,7 +467,7 @@ absl::Status WaitRegistered(const State& s, const std::set<std::string>& names,
     }
     if (absl::Now() >= deadline) {
       std::string detail;
-      for (const std::string& n : pending) {
+      for (const std::string& n : names) {
         absl::StrAppend(&detail, "end of ", LogPath(s, n).string(), ":\n", Tail(LogPath(s, n), 10));
       }
       return absl::DeadlineExceededError(
@@ -526,6 +543,8 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
         "a cluster needs at least one prefill and one decode worker, or --colocated >= 1");
   }
   if (o.threads < 1) return absl::InvalidArgumentError("--threads must be >= 1");
+  if (o.routers < 1) return absl::InvalidArgumentError("--routers must be >= 1");
+  if (o.kvstore_host_mb < 1) return absl::InvalidArgumentError("--kvstore-host-mb must be >= 1");
   if (o.transport != "ucx" && o.transport != "inproc") {
     return absl::InvalidArgumentError("--transport must be ucx or inproc");
   }
@@ -560,6 +579,7 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   s.worker_args = o.worker_args;
   for (const std::string& a : services::TlsFlagArgs(o.tls)) s.worker_args.push_back(a);
   std::vector<std::string> roles = {"router"};
+  if (o.kvstore) roles.push_back("kvstore");
   if (o.prefill > 0) roles.push_back("prefill");
   if (o.decode + o.colocated > 0) roles.push_back("decode");
   TANDEM_RETURN_IF_ERROR(CheckBinaries(s, roles));
@@ -576,46 +596,88 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
                         absl::StrCat("cluster up failed: ", st.message(), "\nlogs: ", LogList(s)));
   };
 
-  // The router first: workers register with it.
-  Proc router;
-  router.name = "router";
-  router.role = "router";
-  router.binary = (fs::path(s.bin_dir) / BinaryFor("router")).string();
-  router.args = {"--model",     s.model,
-                 "--host",      "127.0.0.1",
-                 "--port",      std::to_string(o.router_port),
-                 "--port-file", PortPath(s, "router").string(),
-                 "--http-port", std::to_string(o.http_port),
-                 "--policy",    o.policy};
-  if (o.lease_ms > 0)
-    router.args.insert(router.args.end(), {"--lease-ms", std::to_string(o.lease_ms)});
-  if (o.ctx_size > 0)
-    router.args.insert(router.args.end(), {"--ctx-size", std::to_string(o.ctx_size)});
-  router.args.insert(router.args.end(), o.router_args.begin(), o.router_args.end());
-  for (const std::string& a : services::TlsFlagArgs(o.tls)) router.args.push_back(a);
-  if (s.pin) router.cpus = TakeCpus(s, 1);
-  fs::remove(PortPath(s, "router"), ec);
-  absl::StatusOr<pid_t> pid = Spawn(s, router);
-  if (!pid.ok()) return fail(pid.status());
-  router.pid = *pid;
-  s.procs.push_back(router);
-  absl::StatusOr<int> port = WaitForPortFile(s, s.procs[0], deadline);
-  if (!port.ok()) {
-    return fail(absl::Status(
-        port.status().code(),
-        absl::StrCat(port.status().message(), "; end of ", LogPath(s, "router").string(), ":\n",
-                     Tail(LogPath(s, "router"), 15))));
-  }
-  s.procs[0].port = *port;
-  s.router_port = *port;
-  s.router_address = absl::StrCat("127.0.0.1:", *port);
-  while (true) {
-    absl::StatusOr<bool> healthy = CheckHealth(s.router_address, absl::Seconds(1));
-    if (healthy.ok() && *healthy) break;
-    if (absl::Now() >= deadline) {
-      return fail(absl::DeadlineExceededError("the router never reported SERVING"));
+  // The routers first: workers register with them. Router i > 0 takes a free gRPC port and,
+  // with --http-port Q, HTTP port Q + i.
+  for (int i = 0; i < o.routers; ++i) {
+    Proc router;
+    router.name = i == 0 ? "router" : absl::StrCat("router-", i);
+    router.role = "router";
+    router.binary = (fs::path(s.bin_dir) / BinaryFor("router")).string();
+    const int http_port = o.http_port > 0 ? o.http_port + i : 0;
+    router.args = {"--model",     s.model,
+                   "--host",      "127.0.0.1",
+                   "--port",      std::to_string(i == 0 ? o.router_port : 0),
+                   "--port-file", PortPath(s, router.name).string(),
+                   "--http-port", std::to_string(http_port),
+                   "--policy",    o.policy};
+    if (o.lease_ms > 0)
+      router.args.insert(router.args.end(), {"--lease-ms", std::to_string(o.lease_ms)});
+    if (o.ctx_size > 0)
+      router.args.insert(router.args.end(), {"--ctx-size", std::to_string(o.ctx_size)});
+    router.args.insert(router.args.end(), o.router_args.begin(), o.router_args.end());
+    for (const std::string& a : services::TlsFlagArgs(o.tls)) router.args.push_back(a);
+    if (s.pin) router.cpus = TakeCpus(s, 1);
+    fs::remove(PortPath(s, router.name), ec);
+    absl::StatusOr<pid_t> pid = Spawn(s, router);
+    if (!pid.ok()) return fail(pid.status());
+    router.pid = *pid;
+    s.procs.push_back(router);
+    Proc& r = s.procs.back();
+    absl::StatusOr<int> port = WaitForPortFile(s, r, deadline);
+    if (!port.ok()) {
+      return fail(absl::Status(
+          port.status().code(),
+          absl::StrCat(port.status().message(), "; end of ", LogPath(s, r.name).string(), ":\n",
+                       Tail(LogPath(s, r.name), 15))));
     }
-    absl::SleepFor(absl::Milliseconds(50));
+    r.port = *port;
+    s.router_addresses.push_back(absl::StrCat("127.0.0.1:", *port));
+    while (true) {
+      absl::StatusOr<bool> healthy = CheckHealth(s.router_addresses.back(), absl::Seconds(1));
+      if (healthy.ok() && *healthy) break;
+      if (absl::Now() >= deadline) {
+        return fail(absl::DeadlineExceededError(
+            absl::StrCat(r.name, " never reported SERVING")));
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+  s.router_port = s.procs[0].port;
+  s.router_address = s.router_addresses[0];
+
+  // The kvstore next: prefill workers are told where it is. No device tier on a CPU-only
+  // machine; a host tier and a staging region sized for a local cluster. Its data plane uses
+  // the workers' transport.
+  if (o.kvstore) {
+    Proc kv;
+    kv.name = kv.role = "kvstore";
+    kv.binary = (fs::path(s.bin_dir) / BinaryFor("kvstore")).string();
+    kv.args = {"--host",       "127.0.0.1",
+               "--port",       "0",
+               "--port-file",  PortPath(s, kv.name).string(),
+               "--transport",  s.transport,
+               "--ucx-tls",    s.ucx_tls,
+               "--device-mb",  "0",
+               "--host-mb",    std::to_string(o.kvstore_host_mb),
+               "--ssd-mb",     "0",
+               "--staging-mb", "16",
+               "--model-name", fs::path(s.model).stem().string()};
+    for (const std::string& a : services::TlsFlagArgs(o.tls)) kv.args.push_back(a);
+    if (s.pin) kv.cpus = TakeCpus(s, 1);
+    fs::remove(PortPath(s, kv.name), ec);
+    absl::StatusOr<pid_t> pid = Spawn(s, kv);
+    if (!pid.ok()) return fail(pid.status());
+    kv.pid = *pid;
+    s.procs.push_back(kv);
+    absl::StatusOr<int> port = WaitForPortFile(s, s.procs.back(), deadline);
+    if (!port.ok()) {
+      return fail(absl::Status(
+          port.status().code(),
+          absl::StrCat(port.status().message(), "; end of ", LogPath(s, kv.name).string(), ":\n",
+                       Tail(LogPath(s, kv.name), 15))));
+    }
+    s.procs.back().port = *port;
+    s.kvstore_address = absl::StrCat("127.0.0.1:", *port);
   }
 
   std::set<std::string> names;
@@ -636,16 +698,18 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   }
   if (absl::Status st = WaitRegistered(s, names, deadline); !st.ok()) return fail(st);
   for (Proc& p : s.procs) {
-    if (p.role == "router") continue;
+    if (p.role == "router" || p.role == "kvstore") continue;
     absl::StatusOr<int> wp = WaitForPortFile(s, p, deadline);
     if (wp.ok()) p.port = *wp;
   }
   TANDEM_RETURN_IF_ERROR(SaveState(s));
   std::printf(
-      "tandem cluster: up in %.1f s: router %s, %d prefill, %d decode, %d colocated; "
+      "tandem cluster: up in %.1f s: router%s %s, %d prefill, %d decode, %d colocated, %s; "
       "state and logs in %s\n",
-      absl::ToDoubleSeconds(absl::Now() - t0), s.router_address.c_str(), o.prefill, o.decode,
-      o.colocated, s.dir.c_str());
+      absl::ToDoubleSeconds(absl::Now() - t0), s.router_addresses.size() > 1 ? "s" : "",
+      absl::StrJoin(s.router_addresses, ",").c_str(), o.prefill, o.decode, o.colocated,
+      s.kvstore_address.empty() ? "no kvstore" : ("kvstore " + s.kvstore_address).c_str(),
+      s.dir.c_str());
   std::fflush(stdout);
   return absl::OkStatus();
 }
@@ -661,7 +725,9 @@ absl::Status ClusterDown(const std::string& dir, absl::Duration grace) {
   }
   // Workers first, so they can deregister from a router that is still there.
   std::vector<const Proc*> workers, router;
-  for (const Proc& p : s->procs) (p.role == "router" ? router : workers).push_back(&p);
+  for (const Proc& p : s->procs) {
+    (p.role == "router" || p.role == "kvstore" ? router : workers).push_back(&p);
+  }
   int alive = 0;
   for (const Proc& p : s->procs) alive += Alive(p.pid, p.binary) ? 1 : 0;
   StopProcs(*s, workers, grace);
@@ -673,9 +739,25 @@ absl::Status ClusterDown(const std::string& dir, absl::Duration grace) {
 
 absl::Status ClusterStatus(const std::string& dir, bool as_json) {
   TANDEM_ASSIGN_OR_RETURN(State s, LoadState(dir));
-  absl::StatusOr<bool> healthy = CheckHealth(s.router_address, absl::Seconds(2));
-  absl::StatusOr<std::vector<v1::WorkerInfo>> workers =
-      ListWorkers(s.router_address, absl::Seconds(2));
+  // Every router's health and how many workers it knows; the worker table comes from the
+  // first router that answers.
+  struct RouterView {
+    std::string address;
+    absl::StatusOr<bool> healthy;
+    absl::StatusOr<std::vector<v1::WorkerInfo>> workers;
+  };
+  std::vector<RouterView> routers;
+  for (const std::string& a : s.router_addresses) {
+    routers.push_back({a, CheckHealth(a, absl::Seconds(2)), ListWorkers(a, absl::Seconds(2))});
+  }
+  absl::StatusOr<bool> healthy = routers[0].healthy;
+  absl::StatusOr<std::vector<v1::WorkerInfo>> workers = routers[0].workers;
+  for (const RouterView& r : routers) {
+    if (r.workers.ok()) {
+      workers = r.workers;
+      break;
+    }
+  }
   std::map<std::string, v1::WorkerInfo> registered;
   if (workers.ok()) {
     for (v1::WorkerInfo& w : *workers) {
@@ -686,6 +768,24 @@ absl::Status ClusterStatus(const std::string& dir, bool as_json) {
   if (as_json) {
     json j = ToJson(s);
     j["router_healthy"] = healthy.ok() && *healthy;
+    json rs = json::array();
+    for (const RouterView& r : routers) {
+      json ids = json::array();
+      if (r.workers.ok()) {
+        for (const v1::WorkerInfo& w : *r.workers) ids.push_back(w.worker_id());
+      }
+      rs.push_back({{"address", r.address},
+                    {"healthy", r.healthy.ok() && *r.healthy},
+                    {"workers", ids}});
+    }
+    j["routers"] = rs;
+    if (!s.kvstore_address.empty()) {
+      bool alive = false;
+      for (const Proc& p : s.procs) alive = alive || (p.role == "kvstore" && Alive(p.pid, p.binary));
+      j["kvstore"] = {{"address", s.kvstore_address}, {"alive", alive}};
+    } else {
+      j["kvstore"] = nullptr;
+    }
     for (json& p : j["processes"]) {
       const std::string name = p["name"].get<std::string>();
       p["alive"] = Alive(p["pid"].get<pid_t>(), p["binary"].get<std::string>());
@@ -717,17 +817,23 @@ absl::Status ClusterStatus(const std::string& dir, bool as_json) {
     std::printf("%s\n", j.dump(2).c_str());
     return absl::OkStatus();
   }
-  std::printf("cluster %s: model %s\nrouter %s: %s\n", s.dir.c_str(), s.model.c_str(),
-              s.router_address.c_str(),
-              healthy.ok() ? (*healthy ? "SERVING" : "NOT SERVING")
-                           : std::string(healthy.status().message()).c_str());
+  std::printf("cluster %s: model %s\n", s.dir.c_str(), s.model.c_str());
+  for (const RouterView& r : routers) {
+    std::printf("router %s: %s, %s\n", r.address.c_str(),
+                r.healthy.ok() ? (*r.healthy ? "SERVING" : "NOT SERVING")
+                               : std::string(r.healthy.status().message()).c_str(),
+                r.workers.ok() ? absl::StrCat(r.workers->size(), " workers registered").c_str()
+                               : "registry unreachable");
+  }
+  std::printf("kvstore: %s\n", s.kvstore_address.empty() ? "none" : s.kvstore_address.c_str());
   std::printf("%-14s %-10s %8s %-6s %-17s %-10s %7s %7s %11s %12s %12s %8s %7s\n", "NAME", "ROLE",
               "PID", "STATE", "ADDRESS", "REGISTERED", "RUNNING", "WAITING", "KV_FREE", "XFER_OUT",
               "XFER_IN", "INFLIGHT", "ROUTED");
   for (const Proc& p : s.procs) {
     const bool alive = Alive(p.pid, p.binary);
     auto it = registered.find(p.name);
-    std::string reg = p.role == "router" ? "-" : (it == registered.end() ? "no" : "yes");
+    const bool service = p.role == "router" || p.role == "kvstore";
+    std::string reg = service ? "-" : (it == registered.end() ? "no" : "yes");
     if (it != registered.end() && it->second.draining()) reg = "draining";
     std::string running = "-", waiting = "-", kv = "-", out = "-", in = "-", inflight = "-",
                 routed = "-";
@@ -811,8 +917,9 @@ absl::Status ClusterRemove(const std::string& dir, const std::string& name, absl
   if (it == s.procs.end()) {
     return absl::NotFoundError(absl::StrCat("the cluster in ", dir, " has no process ", name));
   }
-  if (it->role == "router") {
-    return absl::InvalidArgumentError("the router cannot be removed; use tandem cluster down");
+  if (it->role == "router" || it->role == "kvstore") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the ", it->role, " cannot be removed; use tandem cluster down"));
   }
   StopProcs(s, {&*it}, grace);
   s.procs.erase(it);

@@ -1,24 +1,28 @@
 // `tandem cluster up|down|status|add|remove`: a local cluster of real processes on loopback.
 //
-// `up` starts tandem-router, then N tandem-prefill, M tandem-decode and K colocated
-// (tandem-decode --role both) workers, found next to the tandem binary. Each process logs to
-// RUN_DIR/<name>.log and has RUN_DIR/<name>.pid; RUN_DIR/cluster.json describes the cluster
-// (model, router address, every process with its pid, port, CPUs and command line, and the
-// settings `add` reuses). Workers listen on port 0 and report their port through
-// RUN_DIR/<name>.port. `up` returns once the router answers grpc.health.v1 SERVING and every
-// worker has registered with it (polled through Registry.ListWorkers); on failure or timeout it
-// stops everything it started and names the logs, quoting the end of the guilty one.
-// With pinning, each process is bound (sched_setaffinity before exec) to CPUs handed out
-// round-robin from this process's allowed set: 1 for the router, `threads` per worker.
+// `up` starts R tandem-router (the deployed shape: any router serves, any one may die), a tandem-
+// kvstore (unless --kvstore 0; no device tier, a host tier, the workers' KV transport), then N
+// tandem-prefill (with --kvstore), M tandem-decode and K colocated (tandem-decode --role both)
+// workers, found next to the tandem binary; every worker gets every router in --router. Router 0
+// takes --router-port and --http-port; router i > 0 a free gRPC port and, when --http-port Q is
+// set, HTTP port Q + i. Each process logs to RUN_DIR/<name>.log and has RUN_DIR/<name>.pid;
+// RUN_DIR/cluster.json describes the cluster (model, router address, every process with its pid,
+// port, CPUs and command line, and the settings `add` reuses). Workers listen on port 0 and report
+// their port through RUN_DIR/<name>.port. `up` returns once every router answers grpc.health.v1
+// SERVING and every worker has registered with every router (polled through Registry.ListWorkers);
+// on failure or timeout it stops everything it started and names the logs, quoting the end of the
+// guilty one. With pinning, each process is bound (sched_setaffinity before exec) to CPUs handed
+// out round-robin from this process's allowed set: 1 per router and for the kvstore, `threads` per
+// worker.
 //
-// `down` sends SIGTERM to the workers (they deregister, then drain), then to the router, waits
-// up to a grace period, SIGKILLs what is left and removes the pid and port files. A pid is only
-// signalled while /proc shows it running the binary recorded for it, so a recycled pid is never
-// hit. `add` starts one more worker with the cluster's settings and waits for its
+// `down` sends SIGTERM to the workers (they deregister, then drain), then to the routers and the
+// kvstore, waits up to a grace period, SIGKILLs what is left and removes the pid and port files. A
+// pid is only signalled while /proc shows it running the binary recorded for it, so a recycled pid
+// is never hit. `add` starts one more worker with the cluster's settings and waits for its
 // registration; `remove` stops one worker the same way `down` does.
 //
-// Threading: single-threaded command-line code. Errors: absl::Status with messages naming the
-// file, process or log to look at.
+// Threading: single-threaded command-line code. Errors: absl::Status with messages naming the file,
+// process or log to look at.
 #pragma once
 
 #include <string>
@@ -37,8 +41,11 @@ struct ClusterUpOptions {
   int decode = 1;
   int colocated = 0;
   std::string dir;
-  int router_port = 0;  // 0: a free port
-  int http_port = 0;    // handed to the router (reserved for its HTTP front end)
+  int routers = 1;      // router processes; every worker registers with all of them
+  int router_port = 0;  // the first router's gRPC port (0: a free port); the others: free ports
+  int http_port = 0;    // the first router's HTTP port (0: none); router i gets http_port + i
+  bool kvstore = true;  // start a tandem-kvstore (prefill workers get --kvstore)
+  int kvstore_host_mb = 64;  // its host-tier capacity (no device tier, no SSD tier)
   int threads = 1;      // compute threads per worker
   bool pin = false;
   std::string transport = "ucx";  // KV transport of prefill and decode workers: ucx, inproc

@@ -131,14 +131,25 @@ int main(int argc, char** argv) {
   cl->require_subcommand(1);
   tandem::tools::ClusterUpOptions up;
   int64_t up_timeout_ms = 60000;
-  auto* cu = cl->add_subcommand("up", "Start router and workers; return when all are ready");
+  auto* cu = cl->add_subcommand("up", "Start routers, kvstore and workers; return when all are ready");
   cu->add_option("--model", up.model, "GGUF model file")->required();
   cu->add_option("--prefill", up.prefill, "Prefill workers");
   cu->add_option("--decode", up.decode, "Decode workers");
   cu->add_option("--colocated", up.colocated, "Colocated (prefill+decode) workers");
   cu->add_option("--dir", up.dir, "Run folder: logs, pid files, cluster.json")->required();
-  cu->add_option("--router-port", up.router_port, "Router gRPC port (0: any free port)");
-  cu->add_option("--http-port", up.http_port, "Router HTTP port (reserved)");
+  cu->add_option("--routers", up.routers,
+                 "Routers (every worker registers with all; router i > 0 takes a free gRPC "
+                 "port and HTTP port --http-port + i)")
+      ->check(CLI::PositiveNumber);
+  cu->add_option("--router-port", up.router_port, "First router's gRPC port (0: any free port)");
+  cu->add_option("--http-port", up.http_port,
+                 "First router's OpenAI-compatible HTTP port (0: none)");
+  int kvstore = 1;
+  cu->add_option("--kvstore", kvstore,
+                 "1: start a tandem-kvstore for prefix sharing (prefill workers use it); 0: none")
+      ->check(CLI::Range(0, 1));
+  cu->add_option("--kvstore-host-mb", up.kvstore_host_mb, "The kvstore's host-tier MiB")
+      ->check(CLI::PositiveNumber);
   cu->add_option("--threads", up.threads, "Compute threads per worker");
   cu->add_flag("--pin", up.pin, "Pin each process to its own CPUs (round-robin)");
   cu->add_option("--transport", up.transport, "KV transport: ucx or inproc");
@@ -155,6 +166,7 @@ int main(int argc, char** argv) {
   tandem::services::AddTlsFlags(*cu, &up.tls);
   cu->callback([&] {
     up.ready_timeout = absl::Milliseconds(up_timeout_ms);
+    up.kvstore = kvstore != 0;
     // This tool's own readiness checks speak to the cluster as its processes do.
     if (absl::Status st = tandem::services::SetProcessTls(up.tls); !st.ok()) {
       rc = Report(st);
