@@ -490,6 +490,19 @@ TEST_F(ClusterTest, TwoRoutersBothKnowEveryWorkerAndServe) {
   EXPECT_NE(text.out.find("kvstore: none"), std::string::npos) << text.out;
 }
 
+TEST_F(ClusterTest, UpRefusesBadRouterAndKvstoreCounts) {
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("tandem-cluster-bad-", getpid());
+  for (const std::string& bad : {"--routers 0", "--kvstore 2", "--kvstore-host-mb 0"}) {
+    const Result r = RunTandem(absl::StrCat("cluster up --model ", Quote(kModel.string()),
+                                            " --dir ", Quote(dir.string()), " ", bad));
+    EXPECT_NE(r.exit_code, 0) << bad;
+    EXPECT_NE((r.err + r.out).find(bad.substr(0, bad.find(' '))), std::string::npos)
+        << bad << ": " << r.err << r.out;
+  }
+  EXPECT_FALSE(fs::exists(dir / "cluster.json"));  // nothing was started
+  fs::remove_all(dir);
+}
+
 TEST_F(ClusterTest, TwoPrefillThreeDecodeMatchesGenerateUnderConcurrency) {
   Cluster cluster("2p3d", 2, 3);
   ASSERT_TRUE(cluster.up()) << cluster.error();
