@@ -12,7 +12,7 @@
 #     block files) against `dd oflag=direct` / `iflag=direct` on the same directory.
 #  3. Prefix hit rate of KV-aware routing (--policy kv-aware) against round-robin on a multi-turn
 #     workload (`tandem bench --workload multi-turn`) with 2 prefill workers (own prefix caches,
-#     no kvstore), from the workers' tandem:prefix_cache_{hits,queries}_total.
+#     no kvstore), from the workers' tandem_prefix_cache_{hits,queries}_total.
 #
 # usage: bench/kv_tiers/run.sh [BUILD_DIR] [OUT_DIR]   (defaults: build, /tmp/tandem-kv-tiers)
 # env:   MODEL (default: `tandem synth --shape llama-1b --type q8_0`), PROMPT_TOKENS (2048),
@@ -189,14 +189,14 @@ if [[ " $PARTS " == *" 1 "* ]]; then
       ttft "$seed" "$prefix_words" 0 >/dev/null  # publishes the prefix
       last=-1
       for _ in $(seq 600); do  # until the store's block count settles
-        n=$(metric_sum "http://127.0.0.1:$mport/metrics" "tandem:kvstore_tier_blocks")
+        n=$(metric_sum "http://127.0.0.1:$mport/metrics" "tandem_kvstore_tier_blocks")
         [ "$n" = "$last" ] && [ "$n" != 0 ] && break
         last=$n
         sleep 0.3
       done
-      h0=$(metric_sum "http://127.0.0.1:$pm/metrics" "tandem:prefix_cache_hits_total")
+      h0=$(metric_sum "http://127.0.0.1:$pm/metrics" "tandem_prefix_cache_hits_total")
       read -r ms toks < <(ttft "$seed" "$prefix_words" "$tail_words")
-      h1=$(metric_sum "http://127.0.0.1:$pm/metrics" "tandem:prefix_cache_hits_total")
+      h1=$(metric_sum "http://127.0.0.1:$pm/metrics" "tandem_prefix_cache_hits_total")
       onboard=$(python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["timings"].get("server_ttft_ms", {}).get("prefix_onboarding", ""))' "$OUT/last.json")
       echo "tier $tier rep $r: ttft ${ms} ms (${toks} prompt tokens, $((h1 - h0)) blocks onboarded, server onboarding ${onboard} ms)"
       hits+=("$ms")
@@ -280,8 +280,8 @@ if [[ " $PARTS " == *" 3 "* ]]; then
       >>"$LOGS/bench-$policy.log" 2>&1
     q=0 h=0
     for mp in "${mports[@]}"; do
-      q=$((q + $(metric_sum "http://127.0.0.1:$mp/metrics" "tandem:prefix_cache_queries_total")))
-      h=$((h + $(metric_sum "http://127.0.0.1:$mp/metrics" "tandem:prefix_cache_hits_total")))
+      q=$((q + $(metric_sum "http://127.0.0.1:$mp/metrics" "tandem_prefix_cache_queries_total")))
+      h=$((h + $(metric_sum "http://127.0.0.1:$mp/metrics" "tandem_prefix_cache_hits_total")))
     done
     HR[$policy]=$(python3 -c "print(f'{100*$h/$q:.1f}% ({$h}/{$q} blocks)' if $q else 'n/a')")
     echo "policy $policy: prefix hit rate ${HR[$policy]}"

@@ -47,7 +47,7 @@ class Collectable;
 namespace tandem::services {
 
 // The metric name prefix DESIGN.md fixes.
-inline constexpr char kMetricPrefix[] = "tandem:";
+inline constexpr char kMetricPrefix[] = "tandem_";
 
 // The finished_reason values request_success_total starts with (at zero): the proto's finish
 // reasons in lower case. "error" counts requests that ended with a failure status.

@@ -1,9 +1,9 @@
 // RouterMetrics: what the router records about the requests it serves, as Prometheus series
 // labelled role="router" (the DESIGN.md families), plus two router-only families:
-//   tandem:ttft_breakdown_seconds{model_name,role="router",stage}  histogram, one series per
+//   tandem_ttft_breakdown_seconds{model_name,role="router",stage}  histogram, one series per
 //     stage: queue, prefill_compute, kv_transfer, prefix_onboarding_device,
 //     prefix_onboarding_host, prefix_onboarding_ssd, first_decode_step;
-//   tandem:recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
+//   tandem_recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
 //     rule over the last AutoscaleOptions::window of observations.
 // Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
 // gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
@@ -28,7 +28,7 @@
 
 namespace tandem::router {
 
-// The stage label values of tandem:ttft_breakdown_seconds, in the order a request meets them.
+// The stage label values of tandem_ttft_breakdown_seconds, in the order a request meets them.
 inline constexpr std::array<const char*, 7> kTtftStages = {"queue",
                                                            "prefill_compute",
                                                            "kv_transfer",
@@ -50,7 +50,7 @@ class RouterMetrics {
   void RecordFirstToken(absl::Time at, absl::Duration ttft, const v1::TtftBreakdown& b);
   // A later token message reached the client `gap` after the previous one.
   void RecordInterToken(absl::Time at, absl::Duration gap);
-  // A broken decode stream was moved to another worker (tandem:migrations_total).
+  // A broken decode stream was moved to another worker (tandem_migrations_total).
   void RecordMigration();
   // The call ended. finished_reason: one of services::kFinishReasons.
   void RecordEnd(absl::Duration e2e, const std::string& finished_reason, int prompt_tokens,

@@ -28,7 +28,7 @@
 // requests continue with exactly the tokens an unbroken run gives; seeded sampling continues
 // with a fresh random stream (the workers take no draw offset), so it stays a valid sample
 // but is not the unbroken run's. At most RouterOptions::max_migrations per request, each
-// counted in tandem:migrations_total.
+// counted in tandem_migrations_total.
 //
 // Deadlines and cancellation: every outgoing call is created from the incoming ServerContext,
 // so gRPC propagates the client's deadline and cancellation to it; each also gets an explicit
@@ -136,7 +136,7 @@ class InferenceService final : public v1::Inference::Service {
 
   uint64_t requests_ok() const { return ok_.load(); }
   uint64_t requests_failed() const { return failed_.load(); }
-  // Decode streams moved to another worker since start (also tandem:migrations_total).
+  // Decode streams moved to another worker since start (also tandem_migrations_total).
   uint64_t migrations() const { return migrations_.load(); }
   // Shutdown support: once draining, new Generate calls are refused with UNAVAILABLE while
   // those already running continue; active() counts the running ones.

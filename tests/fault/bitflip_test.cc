@@ -6,7 +6,7 @@
 //   of every Nth KV write it sends to the decode worker. No request may ever succeed with text
 //   that differs from the greedy reference: a corrupted one fails with DATA_LOSS (or the router
 //   re-prefills it) and a retry then returns the reference text. The decode worker's integrity
-//   counter (WorkerStats and tandem:kv_integrity_failures_total on /metrics) counts every
+//   counter (WorkerStats and tandem_kv_integrity_failures_total on /metrics) counts every
 //   refusal, and no KV block leaks (its pool and the kv_cache_usage_perc gauge return to idle
 //   once the refused blocks' quarantine ends). Prints recovery_ms: from a request's first
 //   DATA_LOSS to its successful retry.
@@ -150,7 +150,7 @@ TEST(BitFlipTest, CorruptedTransferIsRefusedRetriedAndNeverReturnedAsWrongText) 
   EXPECT_GE(after.kv_integrity_failures(), static_cast<uint64_t>(data_loss));
   const HttpResponse m = HttpCall(metrics_port, "GET", "/metrics");
   ASSERT_EQ(m.status, 200);
-  EXPECT_EQ(MetricValue(m.body, "tandem:kv_integrity_failures_total"),
+  EXPECT_EQ(MetricValue(m.body, "tandem_kv_integrity_failures_total"),
             static_cast<double>(after.kv_integrity_failures()))
       << m.body;
 
@@ -158,7 +158,7 @@ TEST(BitFlipTest, CorruptedTransferIsRefusedRetriedAndNeverReturnedAsWrongText) 
   std::string why;
   EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(10), &why)) << why;
   const HttpResponse m2 = HttpCall(metrics_port, "GET", "/metrics");
-  EXPECT_EQ(MetricValue(m2.body, "tandem:kv_cache_usage_perc"), 0.0) << m2.body;
+  EXPECT_EQ(MetricValue(m2.body, "tandem_kv_cache_usage_perc"), 0.0) << m2.body;
   std::fprintf(stderr,
                "bitflip: %zu prompts, %d DATA_LOSS refusals, %llu integrity failures counted; "
                "recovery_ms=%.0f (worst, first DATA_LOSS to the retry's success)\n",

@@ -164,8 +164,8 @@ TEST_F(BurstTest, TenTimesCapacityIsRefusedFastAndTheRestIsServedCorrectly) {
                         const HttpResponse m = HttpCall(metrics_port, "GET", "/metrics");
                         why = "router /metrics: " + m.body.substr(0, 200);
                         return m.status == 200 &&
-                               MetricValue(m.body, "tandem:num_requests_running") == 0 &&
-                               MetricValue(m.body, "tandem:num_requests_waiting") == 0;
+                               MetricValue(m.body, "tandem_num_requests_running") == 0 &&
+                               MetricValue(m.body, "tandem_num_requests_waiting") == 0;
                       });
     EXPECT_TRUE(idle) << why;
     recovery[round] = absl::Now() - r.last_answer;

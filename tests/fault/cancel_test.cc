@@ -91,8 +91,8 @@ class CancelTest : public ::testing::Test {
   void ExpectBaseline() {
     std::string why;
     EXPECT_TRUE(cluster_->WaitIdle(absl::Seconds(15), &why)) << why;
-    EXPECT_EQ(RouterMetric("tandem:num_requests_running"), 0);
-    EXPECT_EQ(RouterMetric("tandem:num_requests_waiting"), 0);
+    EXPECT_EQ(RouterMetric("tandem_num_requests_running"), 0);
+    EXPECT_EQ(RouterMetric("tandem_num_requests_waiting"), 0);
   }
 
   // The call ended CANCELLED, promptly.
@@ -113,14 +113,14 @@ TEST_F(CancelTest, WhileQueuedAtTheRouter) {
   ASSERT_TRUE(WaitFor(absl::Seconds(20), [&] { return holder.tokens > 0 || holder.done; }));
   queued.Start(*cluster_, Request("Lily had a ball", 20));
   ASSERT_TRUE(WaitFor(absl::Seconds(5), [&] {
-    return RouterMetric("tandem:num_requests_waiting") == 1;
+    return RouterMetric("tandem_num_requests_waiting") == 1;
   })) << "the second request never queued";
   queued.Cancel();
   ExpectCancelled(queued);
   EXPECT_EQ(queued.tokens, 0);
   // The router notices the cancel within its admission poll and leaves the queue.
   EXPECT_TRUE(
-      WaitFor(absl::Seconds(2), [&] { return RouterMetric("tandem:num_requests_waiting") == 0; }));
+      WaitFor(absl::Seconds(2), [&] { return RouterMetric("tandem_num_requests_waiting") == 0; }));
   holder.Cancel();
   ExpectCancelled(holder);
   ExpectBaseline();

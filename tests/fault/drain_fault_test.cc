@@ -151,8 +151,8 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   const bool exited = WaitFor(absl::Milliseconds(kGraceMs + 2000), [&] {
     const HttpResponse m = HttpCall(metrics_port, "GET", "/metrics", "", absl::Seconds(2));
     if (m.status == 200) {
-      last_running = MetricValue(m.body, "tandem:num_requests_running");
-      last_usage = MetricValue(m.body, "tandem:kv_cache_usage_perc");
+      last_running = MetricValue(m.body, "tandem_num_requests_running");
+      last_usage = MetricValue(m.body, "tandem_kv_cache_usage_perc");
       const int used = static_cast<int>(std::lround(last_usage * total_blocks));
       // Nothing new is reserved any more, so the KV in use only falls. (The running count may
       // still rise once: the Decode of a reservation made just before the drop is served.)

@@ -4,7 +4,7 @@
 // - a decode worker dies while several greedy streams run on it: the router migrates each one
 //   (re-prefills prompt + tokens sent on a healthy pair and continues the stream), and every
 //   request completes with exactly the tokens and text of a one-process greedy run
-//   (`tandem generate`), each migration counted in the router's tandem:migrations_total;
+//   (`tandem generate`), each migration counted in the router's tandem_migrations_total;
 // - a prefill worker dies while prefills run on it: the router releases their decode
 //   reservations and retries on the other prefill worker; every request completes identically.
 // After each, the surviving workers return to their idle baseline (nothing running or reserved,
@@ -163,7 +163,7 @@ TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdenti
   o.decode_args = {"--quarantine-ms", "500"};
   FaultCluster cluster(o);
   ASSERT_TRUE(cluster.Start().ok());
-  ASSERT_EQ(RouterMetric(metrics_port, "tandem:migrations_total"), 0);
+  ASSERT_EQ(RouterMetric(metrics_port, "tandem_migrations_total"), 0);
 
   std::vector<std::unique_ptr<Stream>> streams;
   std::vector<std::thread> threads;
@@ -222,7 +222,7 @@ TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdenti
     EXPECT_EQ(s.decode_workers.back(), "decode-1");
   }
   ASSERT_GE(expected_migrations, 1) << "no stream was running on " << victim << " when it died";
-  EXPECT_EQ(RouterMetric(metrics_port, "tandem:migrations_total"), expected_migrations);
+  EXPECT_EQ(RouterMetric(metrics_port, "tandem_migrations_total"), expected_migrations);
 
   std::string why;
   EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(20), &why, {"prefill-0", "decode-1"})) << why;

@@ -126,7 +126,7 @@ TEST(BenchIntegrationTest, ClosedAndOpenLoopAgainstARealCluster) {
   tandem::testing::HttpReply m = tandem::testing::HttpGet(http_port, "/metrics");
   ASSERT_EQ(m.status, 200);
   const std::string series =
-      "tandem:time_to_first_token_seconds_count{model_name=\"stories260K\",role=\"router\"}";
+      "tandem_time_to_first_token_seconds_count{model_name=\"stories260K\",role=\"router\"}";
   EXPECT_EQ(tandem::testing::SampleValue(m.body, series).value_or(-1), kRequests) << m.body;
 
   // Open loop, two rates, shared-prefix: a run per rate and the load panels.

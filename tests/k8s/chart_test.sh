@@ -146,8 +146,8 @@ else
 fi
 out=$(cat "$tmp/keda-values.yaml")
 if [ "$(grep -c '^kind: ScaledObject' <<<"$out")" -eq 2 ] && ! grep -q '^kind: HorizontalPodAutoscaler' <<<"$out" &&
-   grep -q 'tandem:recommended_replicas{namespace=\\"serving\\",role=\\"prefill\\"}' <<<"$out" &&
-   grep -q 'tandem:kv_cache_usage_perc{namespace=\\"serving\\",role=\\"decode\\"}' <<<"$out"; then
+   grep -q 'tandem_recommended_replicas{namespace=\\"serving\\",role=\\"prefill\\"}' <<<"$out" &&
+   grep -q 'tandem_kv_cache_usage_perc{namespace=\\"serving\\",role=\\"decode\\"}' <<<"$out"; then
   pass "KEDA values: two ScaledObjects on the pool signals, no HPA"
 else
   fail "KEDA values: ScaledObjects"; grep -n "kind:\|query:" <<<"$out"

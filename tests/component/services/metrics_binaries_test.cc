@@ -71,9 +71,9 @@ TEST_F(MetricsBinariesTest, DecodeServesMetricsThatARequestMoves) {
 
   HttpReply r = HttpGet(mport, "/metrics");
   ASSERT_EQ(r.status, 200) << c.Log();
-  const std::string running = "tandem:num_requests_running{model_name=\"tiny\",role=\"both\"}";
+  const std::string running = "tandem_num_requests_running{model_name=\"tiny\",role=\"both\"}";
   const std::string length =
-      "tandem:request_success_total{finished_reason=\"length\",model_name=\"tiny\","
+      "tandem_request_success_total{finished_reason=\"length\",model_name=\"tiny\","
       "role=\"both\"}";
   EXPECT_EQ(SampleValue(r.body, running), 0) << r.body;
   EXPECT_EQ(SampleValue(r.body, length), 0) << r.body;
@@ -102,7 +102,7 @@ TEST_F(MetricsBinariesTest, DecodeServesMetricsThatARequestMoves) {
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(SampleValue(r.body, length), 1) << r.body;
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:inter_token_latency_seconds_count{model_name=\"tiny\","
+                        "tandem_inter_token_latency_seconds_count{model_name=\"tiny\","
                         "role=\"both\"}"),
             4)
       << r.body;
@@ -129,12 +129,12 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
   HttpReply r = HttpGet(pport, "/metrics");
   ASSERT_EQ(r.status, 200) << p.Log();
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:num_requests_running{model_name=\"tiny\","
+                        "tandem_num_requests_running{model_name=\"tiny\","
                         "role=\"prefill\"}"),
             0)
       << r.body;
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:kv_transfer_bytes_count{model_name=\"tiny\","
+                        "tandem_kv_transfer_bytes_count{model_name=\"tiny\","
                         "role=\"prefill\"}"),
             0)
       << r.body;
@@ -142,12 +142,12 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
   r = HttpGet(kport, "/metrics");
   ASSERT_EQ(r.status, 200) << k.Log();
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
+                        "tandem_kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
                         "tier=\"device\"}"),
             0)
       << r.body;
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:kv_integrity_failures_total{model_name=\"tiny\","
+                        "tandem_kv_integrity_failures_total{model_name=\"tiny\","
                         "role=\"kvstore\"}"),
             0)
       << r.body;

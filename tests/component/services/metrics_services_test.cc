@@ -27,11 +27,11 @@ std::string Labels(const std::string& role) {
 }
 
 std::string Series(const std::string& name, const std::string& role) {
-  return "tandem:" + name + Labels(role);
+  return "tandem_" + name + Labels(role);
 }
 
 std::string Success(const std::string& reason, const std::string& role) {
-  return "tandem:request_success_total{finished_reason=\"" + reason +
+  return "tandem_request_success_total{finished_reason=\"" + reason +
          "\",model_name=\"tiny\",role=\"" + role + "\"}";
 }
 
@@ -82,13 +82,13 @@ class Scraper {
   std::unique_ptr<MetricsServer> server_;
 };
 
-// Every sample is a tandem: series labelled with the model and `role`, except the exposer's
+// Every sample is a tandem_ series labelled with the model and `role`, except the exposer's
 // own unlabelled exposer_* series (scrape counts, bytes and latency).
 void ExpectContractLabels(const std::string& text, const std::string& role) {
   ASSERT_FALSE(text.empty());
   for (const std::string& line : SampleLines(text)) {
     if (line.rfind("exposer_", 0) == 0) continue;
-    EXPECT_EQ(line.rfind("tandem:", 0), 0u) << line;
+    EXPECT_EQ(line.rfind("tandem_", 0), 0u) << line;
     EXPECT_NE(line.find("model_name=\"tiny\""), std::string::npos) << line;
     EXPECT_NE(line.find("role=\"" + role + "\""), std::string::npos) << line;
   }
@@ -196,7 +196,7 @@ TEST_F(MetricsServicesTest, DisaggregatedRequestMovesDecodeAndPrefillSeries) {
   EXPECT_EQ(ds.WaitFor(Series("kv_cache_usage_perc", "decode"), 0), 0);
   const std::string d = ds.Get();
   ExpectContractLabels(d, "decode");
-  EXPECT_NE(d.find("# TYPE tandem:inter_token_latency_seconds histogram"), std::string::npos);
+  EXPECT_NE(d.find("# TYPE tandem_inter_token_latency_seconds histogram"), std::string::npos);
   EXPECT_EQ(SampleValue(d, Series("inter_token_latency_seconds_count", "decode")),
             kRequests * (kTokens - 1))
       << d;
@@ -227,11 +227,11 @@ TEST_F(MetricsServicesTest, DisaggregatedRequestMovesDecodeAndPrefillSeries) {
   EXPECT_EQ(SampleValue(p, Series("kv_cache_usage_perc", "prefill")), 0);
   // The bytes histogram put each request in the bucket of its size, not +Inf only.
   const std::string le_inf =
-      "tandem:kv_transfer_bytes_bucket{model_name=\"tiny\",role=\"prefill\","
+      "tandem_kv_transfer_bytes_bucket{model_name=\"tiny\",role=\"prefill\","
       "le=\"+Inf\"}";
   EXPECT_EQ(SampleValue(p, le_inf), kRequests) << p;
   EXPECT_EQ(SampleValue(p,
-                        "tandem:kv_transfer_bytes_bucket{model_name=\"tiny\","
+                        "tandem_kv_transfer_bytes_bucket{model_name=\"tiny\","
                         "role=\"prefill\",le=\"4096\"}"),
             0);
 
@@ -331,11 +331,11 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   kvstore::ExportKvStoreMetrics(store->get(), "tiny", "kvstore", &m);
   Scraper s(&m);
   const std::string device =
-      "tandem:kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
+      "tandem_kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
       "tier=\"device\"}";
   std::string t = s.Get();
   ExpectContractLabels(t, "kvstore");
-  EXPECT_NE(t.find("# TYPE tandem:kvstore_tier_bytes gauge"), std::string::npos) << t;
+  EXPECT_NE(t.find("# TYPE tandem_kvstore_tier_bytes gauge"), std::string::npos) << t;
   EXPECT_EQ(SampleValue(t, device), 0);
   EXPECT_EQ(t.find("tier=\"ssd\""), std::string::npos);
   EXPECT_EQ(SampleValue(t, Series("kv_integrity_failures_total", "kvstore")), 0);
@@ -349,11 +349,11 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   EXPECT_GE(used, 3000u);
   EXPECT_EQ(SampleValue(t, device), double(used)) << t;
   EXPECT_EQ(SampleValue(t,
-                        "tandem:kvstore_tier_hits_total{model_name=\"tiny\","
+                        "tandem_kvstore_tier_hits_total{model_name=\"tiny\","
                         "role=\"kvstore\",tier=\"device\"}"),
             1);
   EXPECT_EQ(SampleValue(t,
-                        "tandem:kvstore_tier_blocks{model_name=\"tiny\","
+                        "tandem_kvstore_tier_blocks{model_name=\"tiny\","
                         "role=\"kvstore\",tier=\"device\"}"),
             3);
 

@@ -166,7 +166,7 @@ class MigrationTest : public ::testing::Test {
 
   double MigrationsMetric() {
     const std::string text = router_->metrics().Render();
-    const std::string key = "tandem:migrations_total{";
+    const std::string key = "tandem_migrations_total{";
     for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + 1)) {
       const size_t eol = text.find('\n', at);
       const std::string line = text.substr(at, eol - at);

@@ -171,7 +171,7 @@ TEST_F(DataPlaneTest, CommitRefusesBlocksWhoseBytesDoNotMatch) {
   EXPECT_TRUE(store_->Contains(3));
   EXPECT_EQ(store_->stats().rejected_blocks, 1);
   const std::string text = PrometheusText(store_->stats(), "m");
-  EXPECT_NE(text.find("tandem:kv_integrity_failures_total{model_name=\"m\",role=\"kvstore\"} 1"),
+  EXPECT_NE(text.find("tandem_kv_integrity_failures_total{model_name=\"m\",role=\"kvstore\"} 1"),
             std::string::npos)
       << text;
   // A commit of the same stage again is unknown.

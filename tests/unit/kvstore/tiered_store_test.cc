@@ -334,14 +334,14 @@ TEST_F(TieredStoreTest, MetricsTextCarriesTheDesignNames) {
   auto s = Make(c);
   for (int i = 0; i < 3; ++i) PutBlock(*s, i);
   const std::string text = PrometheusText(s->stats(), "stories\"260K");
-  EXPECT_NE(text.find("# TYPE tandem:kvstore_tier_bytes gauge"), std::string::npos) << text;
-  EXPECT_NE(text.find("tandem:kvstore_tier_bytes{model_name=\"stories\\\"260K\",role=\"kvstore\","
+  EXPECT_NE(text.find("# TYPE tandem_kvstore_tier_bytes gauge"), std::string::npos) << text;
+  EXPECT_NE(text.find("tandem_kvstore_tier_bytes{model_name=\"stories\\\"260K\",role=\"kvstore\","
                       "tier=\"device\"} 3072\n"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("tier=\"ssd\"} 0\n"), std::string::npos) << text;
   EXPECT_EQ(text.find("tier=\"host\""), std::string::npos) << text;
-  EXPECT_NE(text.find("tandem:kv_integrity_failures_total{model_name=\"stories\\\"260K\","
+  EXPECT_NE(text.find("tandem_kv_integrity_failures_total{model_name=\"stories\\\"260K\","
                       "role=\"kvstore\"} 0\n"),
             std::string::npos)
       << text;

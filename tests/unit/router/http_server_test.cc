@@ -489,7 +489,7 @@ TEST_F(HttpServerTest, ModelsHealthTokenizeDetokenize) {
   httplib::Result metrics = c.Get("/metrics");
   ASSERT_TRUE(metrics);
   EXPECT_EQ(metrics->status, 200);
-  EXPECT_NE(metrics->body.find("tandem:time_to_first_token_seconds_count{model_name=\"tiny\","
+  EXPECT_NE(metrics->body.find("tandem_time_to_first_token_seconds_count{model_name=\"tiny\","
                                "role=\"router\"}"),
             std::string::npos)
       << metrics->body;

@@ -117,12 +117,12 @@ class RouterMetricsTest : public RouterFixture {
   // `tandem:NAME{model_name="...",role="router"<extra>}`.
   std::string Series(const std::string& name, const std::string& extra = "",
                      const std::string& role = "router") const {
-    return absl::StrCat("tandem:", name, "{model_name=\"", router_->model().id(), "\",role=\"",
+    return absl::StrCat("tandem_", name, "{model_name=\"", router_->model().id(), "\",role=\"",
                         role, "\"", extra, "}");
   }
   // Labels are rendered sorted: finished_reason comes first.
   std::string Success(const std::string& reason) const {
-    return absl::StrCat("tandem:request_success_total{finished_reason=\"", reason,
+    return absl::StrCat("tandem_request_success_total{finished_reason=\"", reason,
                         "\",model_name=\"", router_->model().id(), "\",role=\"router\"}");
   }
   double Value(const std::string& text, const std::string& series) {

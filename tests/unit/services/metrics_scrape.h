@@ -64,7 +64,7 @@ inline HttpReply HttpGet(int port, const std::string& path) {
 }
 
 // The value of the sample whose name and labels are exactly `series`, e.g.
-// `tandem:e2e_request_latency_seconds_count{model_name="tiny",role="decode"}`.
+// `tandem_e2e_request_latency_seconds_count{model_name="tiny",role="decode"}`.
 inline std::optional<double> SampleValue(const std::string& text, const std::string& series) {
   std::istringstream in(text);
   std::string line;

@@ -19,8 +19,9 @@ using ::tandem::testing::SampleValue;
 const char kBase[] = "{model_name=\"m\",role=\"decode\"}";
 
 TEST(MetricsTest, ContractNamesAreLegalForPrometheusCpp) {
-  // Colons are legal in metric names (not in label names); prometheus-cpp agrees.
-  EXPECT_TRUE(prometheus::CheckMetricName("tandem:time_to_first_token_seconds"));
+  // The contract prefix is tandem_: Prometheus reserves colons for recording rules. A colon is
+  // never legal in a label name.
+  EXPECT_TRUE(prometheus::CheckMetricName("tandem_time_to_first_token_seconds"));
   EXPECT_FALSE(prometheus::CheckLabelName("tandem:role"));
 }
 
@@ -52,7 +53,7 @@ TEST(MetricsTest, ServingCreatesEveryDesignFamilyWithBothLabels) {
       {"migrations_total", "counter"},
   };
   for (const auto& [name, type] : families) {
-    const std::string full = std::string("tandem:") + name;
+    const std::string full = std::string("tandem_") + name;
     EXPECT_NE(text.find("# TYPE " + full + " " + type + "\n"), std::string::npos) << full;
     EXPECT_NE(text.find("# HELP " + full + " "), std::string::npos) << full;
   }
@@ -62,17 +63,17 @@ TEST(MetricsTest, ServingCreatesEveryDesignFamilyWithBothLabels) {
        {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
         "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_integrity_failures_total",
         "migrations_total", "e2e_request_latency_seconds_count", "kv_transfer_bytes_sum"}) {
-    EXPECT_EQ(SampleValue(text, std::string("tandem:") + name + kBase), 0.0) << name << "\n"
+    EXPECT_EQ(SampleValue(text, std::string("tandem_") + name + kBase), 0.0) << name << "\n"
                                                                              << text;
   }
   for (const char* reason : kFinishReasons) {
-    const std::string series = std::string("tandem:request_success_total{finished_reason=\"") +
+    const std::string series = std::string("tandem_request_success_total{finished_reason=\"") +
                                reason + "\",model_name=\"m\",role=\"decode\"}";
     EXPECT_EQ(SampleValue(text, series), 0.0) << series << "\n" << text;
   }
-  // Every sample is a tandem: series with both labels.
+  // Every sample is a tandem_ series with both labels.
   for (const std::string& line : SampleLines(text)) {
-    EXPECT_EQ(line.rfind("tandem:", 0), 0u) << line;
+    EXPECT_EQ(line.rfind("tandem_", 0), 0u) << line;
     EXPECT_NE(line.find("model_name=\"m\""), std::string::npos) << line;
     EXPECT_NE(line.find("role=\"decode\""), std::string::npos) << line;
   }
@@ -93,22 +94,22 @@ TEST(MetricsTest, RecordingMovesTheRenderedSeries) {
   s.RequestSuccess("other").Increment();
   s.kv_integrity_failures.Increment();
   const std::string text = m.Render();
-  EXPECT_EQ(SampleValue(text, std::string("tandem:e2e_request_latency_seconds_count") + kBase), 2);
+  EXPECT_EQ(SampleValue(text, std::string("tandem_e2e_request_latency_seconds_count") + kBase), 2);
   EXPECT_DOUBLE_EQ(
-      *SampleValue(text, std::string("tandem:e2e_request_latency_seconds_sum") + kBase), 7.3);
-  EXPECT_EQ(SampleValue(text, std::string("tandem:num_requests_running") + kBase), 3);
+      *SampleValue(text, std::string("tandem_e2e_request_latency_seconds_sum") + kBase), 7.3);
+  EXPECT_EQ(SampleValue(text, std::string("tandem_num_requests_running") + kBase), 3);
   EXPECT_EQ(SampleValue(text,
-                        "tandem:request_success_total{finished_reason=\"length\","
+                        "tandem_request_success_total{finished_reason=\"length\","
                         "model_name=\"m\",role=\"decode\"}"),
             2);
   EXPECT_EQ(SampleValue(text,
-                        "tandem:request_success_total{finished_reason=\"other\","
+                        "tandem_request_success_total{finished_reason=\"other\","
                         "model_name=\"m\",role=\"decode\"}"),
             1);
-  EXPECT_EQ(SampleValue(text, std::string("tandem:kv_integrity_failures_total") + kBase), 1);
+  EXPECT_EQ(SampleValue(text, std::string("tandem_kv_integrity_failures_total") + kBase), 1);
   // The other role's series did not move.
   EXPECT_EQ(SampleValue(text,
-                        "tandem:e2e_request_latency_seconds_count{model_name=\"m\","
+                        "tandem_e2e_request_latency_seconds_count{model_name=\"m\","
                         "role=\"prefill\"}"),
             0);
 }
@@ -149,7 +150,7 @@ TEST(MetricsTest, ScrapeHooksRefreshBeforeEachRender) {
   prometheus::Gauge& g = m.KvStoreTierBytes("m", "kvstore", "host");
   m.AddScrapeHook([&] { g.Set(100.0 * ++runs); });
   const std::string series =
-      "tandem:kvstore_tier_bytes{model_name=\"m\",role=\"kvstore\","
+      "tandem_kvstore_tier_bytes{model_name=\"m\",role=\"kvstore\","
       "tier=\"host\"}";
   EXPECT_EQ(SampleValue(m.Render(), series), 100);
   EXPECT_EQ(SampleValue(m.Render(), series), 200);
@@ -170,7 +171,7 @@ TEST(MetricsServerTest, ServesTheRegistryOnAnEphemeralPort) {
   ASSERT_GT(port, 0);
   EXPECT_EQ((*server)->url(), "http://127.0.0.1:" + std::to_string(port) + "/metrics");
 
-  const std::string running = std::string("tandem:num_requests_running") + kBase;
+  const std::string running = std::string("tandem_num_requests_running") + kBase;
   testing::HttpReply r = HttpGet(port, "/metrics");
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(SampleValue(r.body, running), 0) << r.body;
@@ -180,7 +181,7 @@ TEST(MetricsServerTest, ServesTheRegistryOnAnEphemeralPort) {
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(SampleValue(r.body, running), 2) << r.body;
   EXPECT_EQ(SampleValue(r.body,
-                        "tandem:request_success_total{finished_reason=\"stop\","
+                        "tandem_request_success_total{finished_reason=\"stop\","
                         "model_name=\"m\",role=\"decode\"}"),
             1);
   EXPECT_EQ(HttpGet(port, "/other").status, 404);
