@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -75,6 +76,11 @@ struct TransportStats {
   uint64_t bytes_written = 0;   // bytes this endpoint sent and saw completed
   uint64_t bytes_received = 0;  // bytes that landed in this endpoint's regions, where visible
   uint64_t writes_failed = 0;
+  // bytes_written by the lanes they went over: the backend's transports on the connection to
+  // the receiver, sorted and comma-joined (UCX: "tcp", "cma,posix", "rc_mlx5"; a backend with
+  // one kind of lane: its name). Shows where KV really travelled (e.g. never shared memory
+  // between pods).
+  std::map<std::string, uint64_t> bytes_written_by_lanes;
 };
 
 class KvTransport {

@@ -180,6 +180,8 @@ Metrics::Metrics()
                        "KV blocks the prefix cache served instead of recomputing them.", r);
   integrity_ = &Register(BuildCounter(), "kv_integrity_failures_total",
                          "KV blocks that failed their checksum.", r);
+  transport_bytes_ = &Register(BuildCounter(), "kv_transport_bytes_total",
+                               "KV bytes sent over the KV transport, by the lanes they used.", r);
   success_ = &Register(BuildCounter(), "request_success_total",
                        "Requests that ended, by finish reason.", r);
   migrations_ =
@@ -214,6 +216,16 @@ prometheus::Gauge& Metrics::KvStoreTierBytes(const std::string& model_name, cons
 prometheus::Counter& Metrics::KvIntegrityFailures(const std::string& model_name,
                                                   const std::string& role) {
   return integrity_->Add(BaseLabels(model_name, role));
+}
+
+prometheus::Counter& Metrics::KvTransportBytes(const std::string& model_name,
+                                               const std::string& role,
+                                               const std::string& transport,
+                                               const std::string& lanes) {
+  prometheus::Labels l = BaseLabels(model_name, role);
+  l["transport"] = transport;
+  l["lanes"] = lanes;
+  return transport_bytes_->Add(l);
 }
 
 void Metrics::AddScrapeHook(std::function<void()> hook) {

@@ -131,6 +131,10 @@ class Metrics {
   prometheus::Gauge& KvStoreTierBytes(const std::string& model_name, const std::string& role,
                                       const std::string& tier);
   prometheus::Counter& KvIntegrityFailures(const std::string& model_name, const std::string& role);
+  // kv_transport_bytes_total{transport, lanes}: KV bytes this process sent over its transport,
+  // by the lanes they went over (services/common/transport_metrics.h keeps it current).
+  prometheus::Counter& KvTransportBytes(const std::string& model_name, const std::string& role,
+                                        const std::string& transport, const std::string& lanes);
 
   // Runs before every scrape and Render, one hook at a time: refreshes series from a source that
   // keeps its own stats (gauges Set, counters AdvanceCounterTo). Hooks must be thread-safe with
@@ -167,6 +171,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* pc_queries_;
   prometheus::Family<prometheus::Counter>* pc_hits_;
   prometheus::Family<prometheus::Counter>* integrity_;
+  prometheus::Family<prometheus::Counter>* transport_bytes_;
   prometheus::Family<prometheus::Counter>* success_;
   prometheus::Family<prometheus::Counter>* migrations_;
 

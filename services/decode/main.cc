@@ -18,6 +18,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "services/common/transport_metrics.h"
 #include "services/common/worker_main.h"
 #include "services/decode/decode_service.h"
 
@@ -71,6 +72,8 @@ int Main(int argc, char** argv) {
   services::Metrics metrics;
   decode::DecodeWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), role);
+  services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path), role,
+                                   kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
   wo.engine = services::EngineOptionsFromFlags(flags);
   wo.worker_id = flags.worker_id;

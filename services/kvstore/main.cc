@@ -34,6 +34,7 @@
 #include "services/common/metrics.h"
 #include "services/common/process_util.h"
 #include "services/common/tls.h"
+#include "services/common/transport_metrics.h"
 #include "services/common/transport_factory.h"
 #include "services/kvstore/data_plane.h"
 #include "services/kvstore/kvstore_service.h"
@@ -228,6 +229,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<tandem::services::MetricsServer> metrics_server;
   if (metrics_port > 0) {
     tandem::kvstore::ExportKvStoreMetrics(store->get(), model_name, "kvstore", &metrics);
+    tandem::services::ExportTransportMetrics(&metrics, model_name, "kvstore", kv_transport.get());
     auto ms = tandem::services::MetricsServer::Start(host, metrics_port, &metrics);
     if (!ms.ok()) return Fail(ms.status());
     metrics_server = std::move(*ms);

@@ -15,6 +15,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "services/common/transport_metrics.h"
 #include "services/common/worker_main.h"
 #include "services/prefill/prefill_service.h"
 
@@ -80,6 +81,8 @@ int Main(int argc, char** argv) {
   services::Metrics metrics;
   prefill::PrefillWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), "prefill");
+  services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path),
+                                   "prefill", kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
   wo.engine = services::EngineOptionsFromFlags(flags);
   wo.worker_id = flags.worker_id;

@@ -143,6 +143,7 @@ class InProcessTransport final : public KvTransport {
     s.bytes_written = bytes_written_.load();
     s.bytes_received = self_->bytes_received.load();
     s.writes_failed = writes_failed_.load();
+    if (s.bytes_written > 0) s.bytes_written_by_lanes["inproc"] = s.bytes_written;
     return s;
   }
 

@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/transfer/op_validation.h"
@@ -168,7 +169,10 @@ class UcxTransport final : public KvTransport {
                   std::function<void(absl::Status)> done) override;
   void ForgetPeer(const std::string& peer_address) override;
   TransportStats stats() const override {
-    return TransportStats{bytes_written_.load(), bytes_received_.load(), writes_failed_.load()};
+    TransportStats s{bytes_written_.load(), bytes_received_.load(), writes_failed_.load()};
+    absl::MutexLock l(&lanes_mu_);
+    s.bytes_written_by_lanes = bytes_by_lanes_;
+    return s;
   }
 
  private:
@@ -193,6 +197,7 @@ class UcxTransport final : public KvTransport {
     std::string address;
     std::unique_ptr<ucx::UcxEndpoint> ep;
     bool rdma = false;  // the endpoint has an RDMA lane: puts are native for any region
+    std::string lanes;  // its lanes' transports, sorted, without repeats ("tcp")
     bool failed = false;
     int pidfd = -1;     // the receiver process, when it runs on this host
     std::unordered_map<uint64_t, RemoteRegion> regions;  // by the peer's region id (stable)
@@ -355,6 +360,8 @@ class UcxTransport final : public KvTransport {
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> bytes_received_{0};
   std::atomic<uint64_t> writes_failed_{0};
+  mutable absl::Mutex lanes_mu_;
+  std::map<std::string, uint64_t> bytes_by_lanes_ ABSL_GUARDED_BY(lanes_mu_);
 
   // Cross-thread hand-off to the progress thread.
   absl::Mutex mu_;
@@ -672,6 +679,10 @@ std::function<void()> UcxTransport::Settle(Batch* b) {
   }
   if (b->status.ok()) {
     bytes_written_.fetch_add(b->bytes);
+    if (b->peer != nullptr) {
+      absl::MutexLock l(&lanes_mu_);
+      bytes_by_lanes_[b->peer->lanes] += b->bytes;
+    }
   } else {
     writes_failed_.fetch_add(1);
   }
@@ -1094,6 +1105,10 @@ absl::StatusOr<std::shared_ptr<UcxTransport::Peer>> UcxTransport::GetPeer(
   peer->ep = std::move(*ep);
   std::string rma_tls;
   peer->rdma = EndpointHasRdma(peer->ep->Info(), &rma_tls);
+  std::vector<std::string> lanes = Split(rma_tls, ',');
+  std::sort(lanes.begin(), lanes.end());
+  lanes.erase(std::unique(lanes.begin(), lanes.end()), lanes.end());
+  peer->lanes = absl::StrJoin(lanes, ",");
   peer_by_ep_[peer->ep->get()] = peer.get();
   peers_[address] = peer;
   return peer;
