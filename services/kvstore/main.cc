@@ -22,9 +22,11 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -88,10 +90,11 @@ int SsdBench(const tandem::kvstore::TieredStoreConfig& c, uint64_t mb) {
 
 // Allocates `bytes` in `chunk`-sized pieces, touches every page and frees them all: with the
 // mallopt settings in main() the pages stay faulted in, in the one arena, for later blocks.
-void WarmHeap(uint64_t bytes, uint64_t chunk) {
+// Stops early once `stop` is set.
+void WarmHeap(uint64_t bytes, uint64_t chunk, const std::atomic<bool>& stop) {
   if (chunk == 0) return;
   std::vector<std::unique_ptr<uint8_t[]>> pieces;
-  for (uint64_t done = 0; done < bytes; done += chunk) {
+  for (uint64_t done = 0; done < bytes && !stop.load(std::memory_order_relaxed); done += chunk) {
     pieces.emplace_back(new uint8_t[chunk]);
     volatile uint8_t* p = pieces.back().get();  // volatile: the stores must happen
     for (uint64_t off = 0; off < chunk; off += 4096) p[off] = 0;
@@ -181,9 +184,23 @@ int main(int argc, char** argv) {
     if (!list.ok()) return Fail(list.status());
     if (absl::Status st = tandem::services::PinToCpus(*list); !st.ok()) return Fail(st);
   }
-  // Fault in the heap the host tier and a Read's copies will use, once, now rather than
-  // inside the first requests' TTFT: touched and freed, it stays in the arena (above).
-  WarmHeap((host_mb + staging_mb) << 20, c.device_slot_bytes);
+  // Fault in the heap the host tier and a Read's copies will use, once, rather than inside
+  // the first requests' TTFT: touched and freed, it stays in the arena (above). On a thread of
+  // its own, so the store serves (and passes its readiness probe) at once: faulting in GiBs
+  // takes seconds to tens of seconds on a small node, and requests meanwhile only pay the
+  // faults they would have paid anyway.
+  std::atomic<bool> stop_warm{false};
+  std::thread warm([bytes = (host_mb + staging_mb) << 20, slot = c.device_slot_bytes, &stop_warm] {
+    WarmHeap(bytes, slot, stop_warm);
+  });
+  struct JoinAtExit {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~JoinAtExit() {
+      stop = true;
+      t.join();
+    }
+  } join_warm{stop_warm, warm};
   auto store = tandem::kvstore::TieredStore::Create(c);
   if (!store.ok()) return Fail(store.status());
   std::unique_ptr<tandem::transfer::KvTransport> kv_transport;
