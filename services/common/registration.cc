@@ -21,7 +21,11 @@ std::shared_ptr<grpc::Channel> MakeChannel(const RegistrationOptions& o) {
               static_cast<int>(absl::ToInt64Milliseconds(o.retry_min)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(absl::ToInt64Milliseconds(o.retry_max)));
-  if (!o.tls_name.empty()) args.SetSslTargetNameOverride(o.tls_name);
+  // --tls-server-name wins: gRPC takes the first override set, and CreateClientChannel adds
+  // the process's after ours.
+  if (!o.tls_name.empty() && ProcessTls().server_name.empty()) {
+    args.SetSslTargetNameOverride(o.tls_name);
+  }
   return CreateClientChannel(o.registry_address, args);
 }
 
