@@ -8,7 +8,7 @@ pkgs=(cmake ninja-build ccache g++ pkg-config git
       libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
       libxxhash-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
       libucx-dev ucx-utils prometheus-cpp-dev liburing-dev libcpp-httplib-dev libspdlog-dev
-      gnuplot-nox)
+      gnuplot-nox python3-yaml iproute2 util-linux openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
