@@ -617,6 +617,8 @@ def scenario_render(env):
     """Values a binary would refuse fail `helm template`, naming the field; each case's flag is
     also given to the binary, which must refuse it too (so the schema mirrors the binaries)."""
     m = ["--model", env.model, "--port", "0"]
+    with open(os.path.join(env.work, "one-key"), "w") as f:
+        f.write("sk-no-tenant\n")
     kv = ["--port", "0", "--host-mb", "0", "--ssd-mb", "0", "--transport", "none"]
     cases = [
         ({"config.kvType": "bf16"}, "kvType", ["tandem-decode", "--kv-type", "bf16"] + m),
@@ -636,6 +638,8 @@ def scenario_render(env):
         ({"kvstore.deviceMb": 1, "kvstore.blockKb": 2048}, "deviceMb",
          ["tandem-kvstore", "--device-mb", "1", "--block-kb", "2048"] + kv),
         ({"router.grpcPort": 70000}, "grpcPort", ["tandem-router", "--port", "70000"]),
+        ({"apiKeys": {"enabled": True, "keys": ["sk-no-tenant"]}}, "apiKeys.keys",
+         ["tandem-router", "--api-keys", os.path.join(env.work, "one-key"), "--port", "0"]),
         ({"decode.terminationGracePeriodSeconds": 3}, "terminationGracePeriodSeconds", None),
     ]
     for values, field, argv in cases:
