@@ -25,6 +25,7 @@
 #include "common/transfer/inproc/inproc_transport.h"
 #include "common/transfer/transfer.h"
 #include "common/transfer/ucx/ucx_transport.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
 extern char** environ;
@@ -323,6 +324,23 @@ TEST_P(TransportTest, RandomRangesLandExactlyAndNothingElseChanges) {
   TransportStats tx = sender_->stats();
   EXPECT_EQ(tx.bytes_written, total);
   EXPECT_EQ(tx.writes_failed, 0u);
+  // Every byte is attributed to the lanes it went over: tcp alone over tcp, only shared-memory
+  // transports over shm (tandem_kv_transport_bytes_total{lanes} is built on this).
+  uint64_t by_lanes = 0;
+  for (const auto& [lanes, bytes] : tx.bytes_written_by_lanes) {
+    by_lanes += bytes;
+    const std::string& tls = GetParam().ucx_tls;
+    if (tls.empty()) {
+      EXPECT_EQ(lanes, "inproc");
+    } else if (tls == "tcp") {
+      EXPECT_EQ(lanes, "tcp");
+    } else {
+      for (absl::string_view tl : absl::StrSplit(lanes, ',')) {
+        EXPECT_TRUE(tl == "posix" || tl == "sysv" || tl == "cma" || tl == "self") << lanes;
+      }
+    }
+  }
+  EXPECT_EQ(by_lanes, total);
   TransportStats rx = receiver_->stats();
   EXPECT_EQ(rx.bytes_received, GetParam().one_sided ? 0u : total);
   EXPECT_TRUE(receiver_->DeregisterRegion(desc_.region_id).ok());
