@@ -20,6 +20,7 @@
 #include "tests/fakes/child_process.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/unit/services/metrics_scrape.h"
+#include "services/kvstore/memory_tiers.h"
 
 namespace tandem::testing {
 namespace {
@@ -143,7 +144,7 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
   ASSERT_EQ(r.status, 200) << k.Log();
   EXPECT_EQ(SampleValue(r.body,
                         "tandem:kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
-                        "tier=\"device\"}"),
+                        "tier=\"" + kvstore::DeviceTierLabel() + "\"}"),
             0)
       << r.body;
   EXPECT_EQ(SampleValue(r.body,

@@ -15,6 +15,7 @@
 #include "services/prefill/prefill_worker.h"
 #include "tests/component/services/cluster_fixture.h"
 #include "tests/unit/services/metrics_scrape.h"
+#include "services/kvstore/memory_tiers.h"
 
 namespace tandem::testing {
 namespace {
@@ -332,7 +333,7 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   Scraper s(&m);
   const std::string device =
       "tandem:kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
-      "tier=\"device\"}";
+      "tier=\"" + kvstore::DeviceTierLabel() + "\"}";
   std::string t = s.Get();
   ExpectContractLabels(t, "kvstore");
   EXPECT_NE(t.find("# TYPE tandem:kvstore_tier_bytes gauge"), std::string::npos) << t;
@@ -350,11 +351,11 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   EXPECT_EQ(SampleValue(t, device), double(used)) << t;
   EXPECT_EQ(SampleValue(t,
                         "tandem:kvstore_tier_hits_total{model_name=\"tiny\","
-                        "role=\"kvstore\",tier=\"device\"}"),
+                        "role=\"kvstore\",tier=\"" + kvstore::DeviceTierLabel() + "\"}"),
             1);
   EXPECT_EQ(SampleValue(t,
                         "tandem:kvstore_tier_blocks{model_name=\"tiny\","
-                        "role=\"kvstore\",tier=\"device\"}"),
+                        "role=\"kvstore\",tier=\"" + kvstore::DeviceTierLabel() + "\"}"),
             3);
 
   // Integrity failures are summed over tiers and only ever go up.
