@@ -83,6 +83,13 @@ done | sort -u | while read -r name path; do
   cp -L "$path" "$B/lib/$name"
   strip --strip-unneeded "$B/lib/$name" 2>/dev/null || true
 done
+# UCX loads its transport modules with dlopen from <libucs dir>/ucx/ (ldd cannot see them):
+# carry the shared-memory one (cma); the others need InfiniBand libraries a single node lacks.
+UCS=$(ldd "$B/bin/tandem-decode" | awk '/libucs.so/ { print $3 }')
+if [ -n "$UCS" ] && [ -e "$(dirname "$UCS")/ucx/libuct_cma.so.0" ]; then
+  mkdir -p "$B/lib/ucx"
+  cp -L "$(dirname "$UCS")/ucx/libuct_cma.so.0" "$B/lib/ucx/"
+fi
 ls "$B/lib"
 
 [ -f "$MODEL" ] && cp "$MODEL" "$B/data/stories260K.gguf" || echo "gpu_bundle: no $MODEL (the engine comparison on a real model will be skipped)" >&2

@@ -29,7 +29,7 @@ DATA="$HERE/data"
 # The bundle's libraries first, then the machine's CUDA runtime wherever the toolkit put it.
 CUDA_LIBS=""
 for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" "${CUDA_HOME:-/usr/local/cuda}/lib" \
-  /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
+  /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && CUDA_LIBS="$CUDA_LIBS:$d"
 done
 export LD_LIBRARY_PATH="$HERE/lib$CUDA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -55,6 +55,34 @@ for b in "$BIN"/*; do
     echo "$name --help: FAILED"; sed -n 1,5p "$OUT/$name.help"; FAIL=1
   fi
 done
+
+echo "== libraries"
+# Every library a binary loads must come from the bundle, except glibc, the CUDA driver and the
+# CUDA runtime, which the machine provides (scripts/gpu_bundle.sh packs the rest).
+provided() {
+  case "$1" in
+    linux-vdso.so* | ld-linux*.so* | libc.so* | libm.so* | libpthread.so* | libdl.so* | \
+      librt.so* | libutil.so* | libresolv.so* | libanl.so* | libmvec.so* | libnsl.so*) return 0 ;;
+    libcuda.so* | libnvidia-*.so* | libcudart.so* | libcublas.so* | libcublasLt.so* | \
+      libnccl.so* | libnvJitLink.so* | libnvrtc.so*) return 0 ;;
+  esac
+  return 1
+}
+LIBS_OK=1
+for b in "$BIN"/*; do
+  ldd "$b" | awk '/=>/ { print $1, $3 }' | while read -r name path; do
+    if provided "$name"; then
+      [ "$path" = "not" ] && echo "$(basename "$b"): $name (CUDA runtime/driver) not found on this machine"
+      continue
+    fi
+    case "$path" in
+      "$HERE"/lib/*) ;;
+      *) echo "$(basename "$b"): $name resolves to $path, outside the bundle"; exit 1 ;;
+    esac
+  done || LIBS_OK=0
+done
+[ $LIBS_OK -eq 1 ] || FAIL=1
+echo "libraries: $([ $LIBS_OK -eq 1 ] && echo "every one from the bundle or the machine's glibc/CUDA" || echo FAILED)"
 
 echo "== gpu tests"
 for t in "$BIN"/*_test; do

@@ -20,8 +20,7 @@ namespace {
 
 // The pool's device becomes this thread's current device.
 absl::Status UsePoolDevice(const engine::KvCache& kv) {
-  engine::KvCache& mut = const_cast<engine::KvCache&>(kv);  // memory() has no const overload
-  const cuda::PointerKind k = cuda::ClassifyPointer(mut.memory().data());
+  const cuda::PointerKind k = cuda::ClassifyPointer(kv.k_layer(0));  // the pool's first byte
   if (!k.device) {
     return absl::FailedPreconditionError("the KV pool is not device memory");
   }
@@ -48,7 +47,9 @@ absl::StatusOr<std::vector<uint64_t>> DeviceSequenceChecksums(const engine::KvCa
   if (n == 0) return out;
   TANDEM_RETURN_IF_ERROR(UsePoolDevice(kv));
   std::vector<int32_t> slots(n);
-  for (int64_t i = 0; i < n; ++i) slots[i] = static_cast<int32_t>(std::min<int64_t>(bs, num_tokens - i * bs));
+  for (int64_t i = 0; i < n; ++i) {
+    slots[i] = static_cast<int32_t>(std::min<int64_t>(bs, num_tokens - i * bs));
+  }
   // One device allocation holds the block ids, the slot counts and the results.
   const size_t ids_bytes = sizeof(int32_t) * n;
   const size_t out_at = (2 * ids_bytes + 7) / 8 * 8;
