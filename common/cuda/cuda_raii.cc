@@ -6,8 +6,8 @@ namespace tandem::cuda {
 
 absl::Status FromCudaError(cudaError_t e, const char* what, const char* file, int line) {
   if (e == cudaSuccess) return absl::OkStatus();
-  const std::string msg = absl::StrCat(what, ": ", cudaGetErrorName(e), " (",
-                                       cudaGetErrorString(e), ") at ", file, ":", line);
+  const std::string msg = absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
+                                       ") at ", file, ":", line);
   cudaGetLastError();  // the error is reported here; later calls must not see it again
   if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
   if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {

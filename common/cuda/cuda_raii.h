@@ -24,11 +24,11 @@ namespace tandem::cuda {
 
 absl::Status FromCudaError(cudaError_t e, const char* what, const char* file, int line);
 
-#define TANDEM_CUDA_RETURN_IF(expr)                                                   \
-  do {                                                                                \
-    ::absl::Status _tandem_cuda_st =                                                  \
-        ::tandem::cuda::FromCudaError((expr), #expr, __FILE__, __LINE__);             \
-    if (!_tandem_cuda_st.ok()) return _tandem_cuda_st;                                \
+#define TANDEM_CUDA_RETURN_IF(expr)                                       \
+  do {                                                                    \
+    ::absl::Status _tandem_cuda_st =                                      \
+        ::tandem::cuda::FromCudaError((expr), #expr, __FILE__, __LINE__); \
+    if (!_tandem_cuda_st.ok()) return _tandem_cuda_st;                    \
   } while (0)
 
 // Visible devices; 0 (not an error) without a driver or device. Clears the sticky error.

@@ -61,8 +61,8 @@ absl::Status Resolve(void* lib, const char* name, F* out) {
   void* sym = dlsym(lib, name);
   if (sym == nullptr) {
     const char* err = dlerror();
-    return absl::FailedPreconditionError(absl::StrCat(kLtSoname, " lacks ", name, ": ",
-                                                      err != nullptr ? err : "null symbol"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kLtSoname, " lacks ", name, ": ", err != nullptr ? err : "null symbol"));
   }
   *out = reinterpret_cast<F>(sym);
   return absl::OkStatus();
@@ -180,31 +180,30 @@ absl::Status CublasLtGemm::Run(bool fp8, const void* w, const float* w_scale, co
   TANDEM_RETURN_IF_CUBLAS(
       lt.MatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
   if (fp8) {
-    TANDEM_RETURN_IF_CUBLAS(lt.MatmulDescSetAttribute(
-        d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale)));
-    TANDEM_RETURN_IF_CUBLAS(lt.MatmulDescSetAttribute(
-        d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)));
+    TANDEM_RETURN_IF_CUBLAS(lt.MatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      &w_scale, sizeof(w_scale)));
+    TANDEM_RETURN_IF_CUBLAS(lt.MatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                      &x_scale, sizeof(x_scale)));
   }
   TANDEM_RETURN_IF_CUBLAS(lt.MatrixLayoutCreate(&d.a, in_type, cols, rows, cols));
   TANDEM_RETURN_IF_CUBLAS(lt.MatrixLayoutCreate(&d.b, in_type, cols, batch, cols));
   TANDEM_RETURN_IF_CUBLAS(lt.MatrixLayoutCreate(&d.c, CUDA_R_32F, rows, batch, rows));
   TANDEM_RETURN_IF_CUBLAS(lt.MatmulPreferenceCreate(&d.pref));
-  TANDEM_RETURN_IF_CUBLAS(lt.MatmulPreferenceSetAttribute(
-      d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-      sizeof(workspace_bytes_)));
+  TANDEM_RETURN_IF_CUBLAS(
+      lt.MatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                      &workspace_bytes_, sizeof(workspace_bytes_)));
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
-  TANDEM_RETURN_IF_CUBLAS(lt.MatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c,
-                                                         d.pref, 1, &heur, &found));
+  TANDEM_RETURN_IF_CUBLAS(
+      lt.MatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found));
   if (found == 0) {
     return absl::UnimplementedError(absl::StrCat("CublasLtGemm: no cuBLASLt algorithm for ",
                                                  fp8 ? "fp8" : "bf16", " ", rows, "x", cols,
                                                  " batch ", batch));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  TANDEM_RETURN_IF_CUBLAS(lt.Matmul(handle_, d.op, &alpha, w, d.a, x, d.b, &beta, out, d.c,
-                                         out, d.c, &heur.algo, workspace_, workspace_bytes_,
-                                         stream));
+  TANDEM_RETURN_IF_CUBLAS(lt.Matmul(handle_, d.op, &alpha, w, d.a, x, d.b, &beta, out, d.c, out,
+                                    d.c, &heur.algo, workspace_, workspace_bytes_, stream));
   return absl::OkStatus();
 }
 

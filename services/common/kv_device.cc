@@ -40,8 +40,8 @@ absl::StatusOr<std::vector<uint64_t>> DeviceSequenceChecksums(const engine::KvCa
   const int32_t bs = kv.block_size();
   const int64_t n = BlocksFor(num_tokens, bs);
   if (n > static_cast<int64_t>(blocks.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens need ", n,
-                                                   " blocks; the table has ", blocks.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(num_tokens, " tokens need ", n, " blocks; the table has ", blocks.size()));
   }
   std::vector<uint64_t> out(n);
   if (n == 0) return out;
@@ -72,8 +72,8 @@ absl::StatusOr<std::vector<uint64_t>> DeviceSequenceChecksums(const engine::KvCa
   p.count = static_cast<int32_t>(n);
   p.out = reinterpret_cast<uint64_t*>(scratch.data() + out_at);
   TANDEM_RETURN_IF_ERROR(kernels::cuda::KvBlockChecksums(p, s));
-  TANDEM_CUDA_RETURN_IF(cudaMemcpyAsync(out.data(), p.out, sizeof(uint64_t) * n,
-                                        cudaMemcpyDeviceToHost, s));
+  TANDEM_CUDA_RETURN_IF(
+      cudaMemcpyAsync(out.data(), p.out, sizeof(uint64_t) * n, cudaMemcpyDeviceToHost, s));
   TANDEM_CUDA_RETURN_IF(cudaStreamSynchronize(s));
   return out;
 }
@@ -144,9 +144,7 @@ uint64_t KvStaging::size() const { return 0; }
 absl::Status KvStaging::ToHost(const engine::KvCache&, std::span<const KvHostCopy>) {
   return NoCuda();
 }
-absl::Status KvStaging::FromHost(engine::KvCache&, std::span<const KvHostCopy>) {
-  return NoCuda();
-}
+absl::Status KvStaging::FromHost(engine::KvCache&, std::span<const KvHostCopy>) { return NoCuda(); }
 
 #endif
 

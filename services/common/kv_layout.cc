@@ -107,7 +107,7 @@ uint64_t SegmentSum(const uint8_t* p, uint64_t len, uint64_t g) {
 uint64_t RawBlockChecksum(const KvBufferLayout& b, int32_t block, int32_t num_slots) {
   const uint64_t offset = uint64_t(block) * b.block_bytes;
   const uint64_t len = uint64_t(num_slots) * b.slot_bytes;  // quantised slots carry their scales
-  const uint64_t w = (len + 7) / 8;  // words per segment
+  const uint64_t w = (len + 7) / 8;                         // words per segment
   uint64_t sum = 0;
   for (uint64_t l = 0; l < uint64_t(b.num_layers); ++l) {
     const uint8_t* k = b.base + l * b.layer_stride + offset;

@@ -56,8 +56,8 @@ absl::StatusOr<std::unique_ptr<transfer::KvTransport>> CreateTransport(const Tra
         "configure time, or TANDEM_ENABLE_CUDA is OFF)");
 #endif
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown transport \"", c.kind,
-                                                 "\"; use ucx, cuda_ipc or inproc"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport \"", c.kind, "\"; use ucx, cuda_ipc or inproc"));
 }
 
 }  // namespace tandem::services

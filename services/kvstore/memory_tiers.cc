@@ -50,8 +50,7 @@ absl::StatusOr<std::unique_ptr<DeviceTier>> DeviceTier::Create(uint64_t capacity
   return std::unique_ptr<DeviceTier>(new DeviceTier(slots, slot_bytes, device_arena, ordinal));
 }
 
-DeviceTier::DeviceTier(uint64_t num_slots, uint64_t slot_bytes, uint8_t* device_arena,
-                       int ordinal)
+DeviceTier::DeviceTier(uint64_t num_slots, uint64_t slot_bytes, uint8_t* device_arena, int ordinal)
     : num_slots_(num_slots),
       slot_bytes_(slot_bytes),
       device_arena_(device_arena),

@@ -53,7 +53,7 @@ class DeviceTier : public Tier {
   uint64_t num_slots_;
   uint64_t slot_bytes_;
   std::unique_ptr<uint8_t[]> arena_;  // the host arena (emulated)
-  uint8_t* device_arena_ = nullptr;    // the CUDA arena (cudaMalloc'd), owned
+  uint8_t* device_arena_ = nullptr;   // the CUDA arena (cudaMalloc'd), owned
   bool on_device_ = false;
   int ordinal_ = -1;
   std::vector<uint32_t> free_slots_;

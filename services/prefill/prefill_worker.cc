@@ -75,7 +75,8 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   // into it): transport-allocated memory where the transport offers it, as decode does.
   const bool with_store = !o.kvstore.address.empty();
   const bool device_pool = o.engine.device != engine::Device::kCpu;
-  transfer::KvTransport* store_t = o.kvstore_transport != nullptr ? o.kvstore_transport : o.transport;
+  transfer::KvTransport* store_t =
+      o.kvstore_transport != nullptr ? o.kvstore_transport : o.transport;
   // A host pool is itself the region the store writes into; a GPU pool is not (the store's
   // transport serves host memory): onboarding goes through pinned staging then.
   TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e,
@@ -94,8 +95,8 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
     // Room for one sequence's longest prefix: a Read never asks for more.
     w->staging_blocks_ =
         static_cast<int32_t>(services::BlocksFor(w->engine_->ctx_size(), kv.block_size()));
-    const uint64_t bytes = 2 * uint64_t(kv.options().num_layers) * kv.block_bytes() *
-                           uint64_t(w->staging_blocks_);
+    const uint64_t bytes =
+        2 * uint64_t(kv.options().num_layers) * kv.block_bytes() * uint64_t(w->staging_blocks_);
     TANDEM_ASSIGN_OR_RETURN(w->onboard_staging_, services::KvStaging::Create(bytes));
     TANDEM_ASSIGN_OR_RETURN(w->publish_staging_, services::KvStaging::Create(0));
     TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor d,
@@ -568,8 +569,10 @@ void PrefillWorker::OnboardThroughStaging(Job& j, int32_t from, int32_t to) {
     }
   }
   if (absl::Status st = onboard_staging_->FromHost(kv, copies); !st.ok()) {
-    std::fprintf(stderr, "request %s: onboarding %d kvstore blocks to the device failed, "
-                 "computing them: %s\n", j.id.c_str(), good, st.ToString().c_str());
+    std::fprintf(stderr,
+                 "request %s: onboarding %d kvstore blocks to the device failed, "
+                 "computing them: %s\n",
+                 j.id.c_str(), good, st.ToString().c_str());
     return;
   }
   j.kvstore_blocks = good;

@@ -53,10 +53,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/transfer/transfer.h"
-#include "engine/runtime/engine.h"
 #include "engine/kv/prefix_cache.h"
-#include "services/common/metrics.h"
+#include "engine/runtime/engine.h"
 #include "services/common/kv_device.h"
+#include "services/common/metrics.h"
 #include "services/prefill/kvstore_client.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -149,7 +149,7 @@ class PrefillWorker {
   std::unique_ptr<engine::PrefixCache> cache_;  // engine thread only; null when off
   std::unique_ptr<KvStoreClient> kvstore_;      // null without a store
   transfer::KvTransport* store_transport_ = nullptr;  // the kvstore's: o_.kvstore_transport or
-                                                     // o_.transport
+                                                      // o_.transport
   // The local pool (host pool) or the onboarding staging (GPU pool) as registered with
   // store_transport_: what kvstore Reads write into.
   std::string region_bytes_;

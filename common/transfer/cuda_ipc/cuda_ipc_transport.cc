@@ -171,8 +171,8 @@ class CudaIpcTransport final : public KvTransport {
     return absl::OkStatus();
   }
 
-  void WriteAsync(const RegionDescriptor& dst, std::vector<WriteOp> ops,
-                  Clock::time_point deadline, std::function<void(absl::Status)> done) override {
+  void WriteAsync(const RegionDescriptor& dst, std::vector<WriteOp> ops, Clock::time_point deadline,
+                  std::function<void(absl::Status)> done) override {
     absl::Status st = Enqueue(dst, ops, deadline, done);
     if (!st.ok()) {
       {
@@ -215,15 +215,16 @@ class CudaIpcTransport final : public KvTransport {
     uint64_t bytes = 0;
   };
 
-  absl::StatusOr<uint8_t*> MapLocked(const RegionDescriptor& dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::StatusOr<uint8_t*> MapLocked(const RegionDescriptor& dst)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const auto key = std::make_pair(dst.peer_address, dst.region_id);
     if (auto it = mappings_.find(key); it != mappings_.end()) return it->second.region;
     absl::StatusOr<PeerAddress> peer = ParseAddress(dst.peer_address);
     if (!peer.ok()) return peer.status();
     if (peer->node != node_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cuda_ipc reaches GPUs of this node only; the peer ", dst.peer_address,
-          " is on another node (use the nccl transport across nodes)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda_ipc reaches GPUs of this node only; the peer ", dst.peer_address,
+                       " is on another node (across nodes use a UCX built with CUDA)"));
     }
     if (dst.rkey.size() != kRkeyBytes) {
       return absl::InvalidArgumentError(
@@ -243,8 +244,8 @@ class CudaIpcTransport final : public KvTransport {
       if (e != cudaSuccess) {
         cudaGetLastError();
         return absl::UnavailableError(absl::StrCat(
-            "cuda_ipc: cannot map the region of peer ", dst.peer_address, ": ",
-            cudaGetErrorName(e), " (", cudaGetErrorString(e), "); the peer may have exited"));
+            "cuda_ipc: cannot map the region of peer ", dst.peer_address, ": ", cudaGetErrorName(e),
+            " (", cudaGetErrorString(e), "); the peer may have exited"));
       }
       m.opened = p;
       m.region = static_cast<uint8_t*>(p) + offset;

@@ -43,9 +43,8 @@ std::string ExpectedReason() {
 class GpuWorkerBinariesTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("tandem-gpu-bin-" + std::to_string(getpid()) + "-" +
-            std::to_string(reinterpret_cast<uintptr_t>(this)));
+    dir_ = fs::temp_directory_path() / ("tandem-gpu-bin-" + std::to_string(getpid()) + "-" +
+                                        std::to_string(reinterpret_cast<uintptr_t>(this)));
     fs::create_directories(dir_);
     model_path_ = (dir_ / "tiny.gguf").string();
     ASSERT_TRUE(WriteTinyModel(TinyModelOptions(), model_path_).ok());
@@ -76,11 +75,16 @@ TEST_P(GpuWorkerBinariesTest, DeviceCudaWithoutGpuFailsAtStartWithFailedPrecondi
 TEST_P(GpuWorkerBinariesTest, ServesMetricsOnTheCpu) {
   const int mport = FreePort();
   ASSERT_GT(mport, 0);
-  std::vector<std::string> args = {"--model",      model_path_,     "--port",      "0",
-                                   "--port-file",  Path("w.port"),  "--threads",   "1",
-                                   "--ctx-size",   "256",           "--max-seqs",  "2",
-                                   "--metrics-port", std::to_string(mport), "--grace-ms", "2000",
-                                   "--transport",  GetParam() == "tandem-decode" ? "none" : "inproc"};
+  std::vector<std::string> args = {
+      "--model",        model_path_,
+      "--port",         "0",
+      "--port-file",    Path("w.port"),
+      "--threads",      "1",
+      "--ctx-size",     "256",
+      "--max-seqs",     "2",
+      "--metrics-port", std::to_string(mport),
+      "--grace-ms",     "2000",
+      "--transport",    GetParam() == "tandem-decode" ? "none" : "inproc"};
   ChildProcess c(GetParam(), args, Path("w.log"));
   ASSERT_GT(WaitForPortFile(Path("w.port"), &c), 0) << c.Log();
   HttpReply r = HttpGet(mport, "/metrics");

@@ -50,8 +50,10 @@ TEST(CudaKvChecksumTest, EqualsTheCpuReferenceBitForBit) {
     int32_t* d_ids = nullptr;
     uint64_t* d_out = nullptr;
     ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_pool), pool.size()), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_ids), 2 * sizeof(int32_t) * blocks.size()), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_out), sizeof(uint64_t) * blocks.size()), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_ids), 2 * sizeof(int32_t) * blocks.size()),
+              cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_out), sizeof(uint64_t) * blocks.size()),
+              cudaSuccess);
     cudaMemcpy(d_pool, pool.data(), pool.size(), cudaMemcpyHostToDevice);
     cudaMemcpy(d_ids, blocks.data(), sizeof(int32_t) * blocks.size(), cudaMemcpyHostToDevice);
     cudaMemcpy(d_ids + blocks.size(), slots.data(), sizeof(int32_t) * slots.size(),
@@ -65,8 +67,7 @@ TEST(CudaKvChecksumTest, EqualsTheCpuReferenceBitForBit) {
     const absl::Status st = cuda::KvBlockChecksums(d, nullptr);
     ASSERT_TRUE(st.ok()) << st;
     std::vector<uint64_t> got(blocks.size());
-    ASSERT_EQ(cudaMemcpy(got.data(), d_out, sizeof(uint64_t) * got.size(),
-                         cudaMemcpyDeviceToHost),
+    ASSERT_EQ(cudaMemcpy(got.data(), d_out, sizeof(uint64_t) * got.size(), cudaMemcpyDeviceToHost),
               cudaSuccess);
     for (size_t i = 0; i < blocks.size(); ++i) {
       EXPECT_EQ(got[i], want[i]) << "slot_bytes " << sh.slot_bytes << " block " << blocks[i];

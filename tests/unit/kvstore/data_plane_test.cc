@@ -3,15 +3,14 @@
 // registered region laid out like an engine KV pool.
 #include "services/kvstore/data_plane.h"
 
-
 #include <cstring>
 #include <random>
 
 #include "common/transfer/inproc/inproc_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "services/common/kv_layout.h"
 #include "services/common/grpc_server.h"
+#include "services/common/kv_layout.h"
 #include "services/kvstore/kvstore_service.h"
 #include "services/kvstore/metrics.h"
 #include "tests/unit/kvstore/test_util.h"

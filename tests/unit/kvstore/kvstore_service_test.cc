@@ -2,7 +2,6 @@
 // binary itself, restarted on the same SSD directory.
 #include "services/kvstore/kvstore_service.h"
 
-
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -18,8 +17,8 @@
 #include "engine/kv/block_pool.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "services/kvstore/memory_tiers.h"
 #include "services/common/grpc_server.h"
+#include "services/kvstore/memory_tiers.h"
 #include "tests/fakes/child_process.h"
 #include "tests/unit/kvstore/test_util.h"
 

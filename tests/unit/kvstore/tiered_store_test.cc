@@ -302,7 +302,8 @@ TEST_F(TieredStoreTest, MetricsTextCarriesTheDesignNames) {
   const std::string text = PrometheusText(s->stats(), "stories\"260K");
   EXPECT_NE(text.find("# TYPE tandem:kvstore_tier_bytes gauge"), std::string::npos) << text;
   EXPECT_NE(text.find("tandem:kvstore_tier_bytes{model_name=\"stories\\\"260K\",role=\"kvstore\","
-                      "tier=\"" + DeviceTierLabel() + "\"} 3072\n"),
+                      "tier=\"" +
+                      DeviceTierLabel() + "\"} 3072\n"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("tier=\"ssd\"} 0\n"), std::string::npos) << text;

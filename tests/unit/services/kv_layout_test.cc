@@ -263,9 +263,8 @@ TEST(KvPoolTest, GpuWorkerPoolNeedsAGpuAndADeviceMemoryTransport) {
   DeviceCapableTransport device;
   if (!engine::CheckDeviceAvailable(engine::Device::kCuda).ok()) {
     // No GPU (or no CUDA in this build): refused first for that, whatever the transport.
-    for (const transfer::KvTransport* t :
-         {host.get(), static_cast<transfer::KvTransport*>(&device),
-          static_cast<transfer::KvTransport*>(nullptr)}) {
+    for (const transfer::KvTransport* t : {host.get(), static_cast<transfer::KvTransport*>(&device),
+                                           static_cast<transfer::KvTransport*>(nullptr)}) {
       const absl::Status st = CheckWorkerKvPlacement(o, t);
       EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
 #if defined(TANDEM_HAVE_CUDA)

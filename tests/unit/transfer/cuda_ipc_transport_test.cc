@@ -79,11 +79,10 @@ TEST(CudaIpcTransportTest, DeviceWritesLandByteForByte) {
   // A deadline already past.
   absl::Status late;
   bool called = false;
-  (*tx)->WriteAsync(*parsed, {{src, 16, 0}}, std::chrono::steady_clock::now(),
-                    [&](absl::Status s) {
-                      late = s;
-                      called = true;
-                    });
+  (*tx)->WriteAsync(*parsed, {{src, 16, 0}}, std::chrono::steady_clock::now(), [&](absl::Status s) {
+    late = s;
+    called = true;
+  });
   EXPECT_TRUE(called);
   EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
   (*tx)->ForgetPeer(parsed->peer_address);
