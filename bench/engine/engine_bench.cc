@@ -1,5 +1,5 @@
-// engine_bench: llama-bench's measurements for tandem's CPU engine, in one process that loads the
-// model once.
+// engine_bench: llama-bench's measurements for tandem's engine (CPU, or CUDA with --device cuda),
+// in one process that loads the model once.
 //
 //   decode   batch-1 decode of --n-gen tokens (after an untimed --decode-prompt tokens; 0 starts
 //            at position 0 like `llama-bench -p 0 -n N`), one Engine::Step per token, the next
@@ -420,7 +420,8 @@ absl::Status Run(const Options& o) {
 int main(int argc, char** argv) {
   tandem::bench::Options o;
   std::string modes = "decode,prefill,batch";
-  CLI::App app{"tandem CPU engine benchmark (decode, prefill, batched decode); JSON on stdout"};
+  CLI::App app{
+      "tandem engine benchmark, CPU or CUDA (decode, prefill, batched decode); JSON on stdout"};
   app.add_option("--model", o.model_path, "GGUF model")->required();
   app.add_option("--threads,-t", o.threads, "Compute threads");
   app.add_option("--modes", modes, "Comma list of decode,prefill,batch,matmul,kernel,pool");
