@@ -4,7 +4,7 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 
-.PHONY: all setup configure build test demo fidelity fuzz-smoke gpu-check clean
+.PHONY: all setup configure build test demo fidelity fuzz-smoke gpu-bundle gpu-check clean
 
 all: build
 
@@ -33,10 +33,16 @@ fidelity: build
 fuzz-smoke:
 	@scripts/fuzz_smoke.sh 20
 
-# One NVIDIA GPU: build for sm_90, run the gpu-labelled tests, print the kernel timing table
-# (docs/perf/cuda.md). Set OUT=dir to keep the table.
+# GPU checks run from a prebuilt bundle (docs/gpu.md): `make gpu-bundle` builds the CUDA
+# configuration for sm_90 here and packs GPU_BUNDLE (<= 48 MiB); `make gpu-check
+# GPU_BUNDLE=archive` runs it on a GPU machine that has only the driver and the CUDA runtime
+# (no cmake, no compiler) and prints one table. Set OUT=dir to keep the table and logs.
+GPU_BUNDLE ?=
+gpu-bundle:
+	@scripts/gpu_bundle.sh $(or $(GPU_BUNDLE),tandem-gpu.tar.gz)
+
 gpu-check:
-	@scripts/gpu_check.sh
+	@GPU_BUNDLE=$(GPU_BUNDLE) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -244,8 +244,20 @@ int Main(int argc, char** argv) {
   const char* out_path = nullptr;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
-    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
+      out_path = argv[++i];
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::printf(
+          "cuda_kernel_bench: times every CUDA kernel against the measured device-to-device "
+          "copy bandwidth and prints a markdown table\n"
+          "usage: cuda_kernel_bench [--out FILE] [--quick]\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "cuda_kernel_bench: unknown argument %s (see --help)\n", argv[i]);
+      return 2;
+    }
   }
   if (VisibleDeviceCount() == 0) {
     std::fprintf(stderr, "cuda_kernel_bench: no CUDA device\n");

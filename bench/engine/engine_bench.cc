@@ -1,5 +1,5 @@
-// engine_bench: llama-bench's measurements for tandem's CPU engine, in one process that loads the
-// model once.
+// engine_bench: llama-bench's measurements for tandem's engine (CPU, or CUDA with --device cuda),
+// in one process that loads the model once.
 //
 //   decode   batch-1 decode of --n-gen tokens (after an untimed --decode-prompt tokens; 0 starts
 //            at position 0 like `llama-bench -p 0 -n N`), one Engine::Step per token, the next
@@ -71,6 +71,7 @@ struct Options {
   std::string kv_type = "f16";
   uint64_t seed = 1;
   bool pack_weights = true;
+  engine::Device device = engine::Device::kCpu;  // --device cuda: the CUDA engine (gpu-check)
 };
 
 double Median(std::vector<double> v) {
@@ -109,6 +110,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(
   auto t = kernels::DTypeFromName(o.kv_type);
   if (!t) return absl::InvalidArgumentError(absl::StrCat("unknown kv type ", o.kv_type));
   eo.kv_type = *t;
+  eo.device = o.device;
   return engine::Engine::Create(std::move(model), eo);
 }
 
@@ -418,7 +420,8 @@ absl::Status Run(const Options& o) {
 int main(int argc, char** argv) {
   tandem::bench::Options o;
   std::string modes = "decode,prefill,batch";
-  CLI::App app{"tandem CPU engine benchmark (decode, prefill, batched decode); JSON on stdout"};
+  CLI::App app{
+      "tandem engine benchmark, CPU or CUDA (decode, prefill, batched decode); JSON on stdout"};
   app.add_option("--model", o.model_path, "GGUF model")->required();
   app.add_option("--threads,-t", o.threads, "Compute threads");
   app.add_option("--modes", modes, "Comma list of decode,prefill,batch,matmul,kernel,pool");
@@ -436,8 +439,15 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "Seed of the random prompts");
   bool no_pack = false;
   app.add_flag("--no-pack", no_pack, "Use the GGUF rows as they are (no packed weights)");
+  std::string device = "cpu";
+  app.add_option("--device", device,
+                 "cpu, or cuda: decode, prefill and batch on the CUDA engine (matmul and kernel "
+                 "modes measure CPU kernels only)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
-  o.pack_weights = !no_pack;
+  o.device = tandem::engine::DeviceFromName(device).value_or(tandem::engine::Device::kCpu);
+  // The CUDA engine reads GGUF rows as stored: packing is a CPU layout.
+  o.pack_weights = !no_pack && o.device == tandem::engine::Device::kCpu;
   o.modes = absl::StrSplit(modes, ',', absl::SkipEmpty());
   if (o.threads < 1 || o.reps < 1 || o.n_gen < 1 || o.n_prefill < 1 || o.n_seqs < 1 ||
       o.seq_prompt < 1 || o.matmul_batch < 1) {

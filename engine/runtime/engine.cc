@@ -110,6 +110,21 @@ std::optional<Device> DeviceFromName(std::string_view name) {
   return std::nullopt;
 }
 
+namespace {
+constexpr char kBuiltWithoutCuda[] =
+    "device cuda: this tandem was built without CUDA (nvcc was not found at configure time, or "
+    "TANDEM_ENABLE_CUDA is OFF); rebuild with the CUDA toolkit, or use device cpu";
+}  // namespace
+
+absl::Status CheckDeviceAvailable(Device d) {
+  if (d == Device::kCpu) return absl::OkStatus();
+#if defined(TANDEM_HAVE_CUDA)
+  return CudaDeviceAvailable();
+#else
+  return absl::FailedPreconditionError(kBuiltWithoutCuda);
+#endif
+}
+
 absl::StatusOr<uint64_t> Engine::KvBytes(const Model& model, const EngineOptions& opts) {
   TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(model, opts));
   return KvCache::RequiredBytes(KvOptions(model, o));
@@ -129,10 +144,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
     }
     ko.device_memory = true;
 #else
-    return absl::FailedPreconditionError(
-        "device cuda: this tandem was built without CUDA (nvcc was not found at configure time, "
-        "TANDEM_ENABLE_CUDA is OFF, or TANDEM_ENGINE_CUDA is not ON); rebuild with the CUDA "
-        "toolkit and -DTANDEM_ENGINE_CUDA=ON, or use device cpu");
+    return absl::FailedPreconditionError(kBuiltWithoutCuda);
 #endif
   }
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv, KvCache::Create(ko));

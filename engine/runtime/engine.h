@@ -60,6 +60,10 @@ struct EngineOptions {
 // "cpu" / "cuda" (flags and logs); DeviceFromName is nullopt for anything else.
 const char* DeviceName(Device d);
 std::optional<Device> DeviceFromName(std::string_view name);
+// Whether this process can run on `d` at all, checked before loading a model: OK for the CPU;
+// for CUDA, FAILED_PRECONDITION "device cuda: no CUDA device is visible ..." when no GPU is
+// usable, or "... built without CUDA" in a build without the CUDA engine.
+absl::Status CheckDeviceAvailable(Device d);
 
 struct SeqChunk {
   std::span<const int32_t> tokens;

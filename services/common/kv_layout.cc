@@ -1,10 +1,11 @@
 #include "services/common/kv_layout.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/kv_device.h"
+#include "tandem/kernels/kv_checksum.h"
 #include "tandem/kernels/kv_quant.h"
 
 namespace tandem::services {
@@ -60,18 +61,75 @@ int64_t BlocksFor(int64_t num_tokens, int32_t block_size) {
   return (num_tokens + block_size - 1) / block_size;
 }
 
-uint64_t BlockChecksum(const engine::KvCache& kv, int32_t block, int32_t num_slots) {
-  const size_t offset = size_t(block) * kv.block_bytes();
-  const size_t len = size_t(num_slots) * kv.slot_bytes();  // quantised slots carry their scales
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  for (int32_t l = 0; l < kv.options().num_layers; ++l) {
-    XXH3_64bits_update(state, kv.k_layer(l) + offset, len);
-    XXH3_64bits_update(state, kv.v_layer(l) + offset, len);
+namespace {
+
+inline uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  x *= 0xC4CEB9FE1A85EC53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+// One segment's share of the keyed sum (tandem/kernels/kv_checksum.h), its first word being word
+// `g` of the block's stream: whole words loaded unaligned, four independent sums so the
+// multiplies overlap, the key advanced by addition (g * M + M == (g + 1) * M).
+uint64_t SegmentSum(const uint8_t* p, uint64_t len, uint64_t g) {
+  constexpr uint64_t M = kernels::kKvChecksumKeyMul;
+  const uint64_t words = len / 8;
+  uint64_t key = g * M;
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  uint64_t j = 0;
+  for (; j + 4 <= words; j += 4, key += 4 * M) {
+    uint64_t w[4];
+    std::memcpy(w, p + 8 * j, sizeof(w));
+    a += Mix(w[0] ^ key);
+    b += Mix(w[1] ^ (key + M));
+    c += Mix(w[2] ^ (key + 2 * M));
+    d += Mix(w[3] ^ (key + 3 * M));
   }
-  const uint64_t h = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return h;
+  for (; j < words; ++j, key += M) {
+    uint64_t w;
+    std::memcpy(&w, p + 8 * j, sizeof(w));
+    a += Mix(w ^ key);
+  }
+  if (const uint64_t tail = len % 8; tail != 0) {
+    uint64_t w = 0;  // little-endian, zero-padded (x86-64 and aarch64 are little-endian)
+    std::memcpy(&w, p + 8 * words, tail);
+    a += Mix(w ^ key);
+  }
+  return a + b + c + d;
+}
+
+}  // namespace
+
+uint64_t RawBlockChecksum(const KvBufferLayout& b, int32_t block, int32_t num_slots) {
+  const uint64_t offset = uint64_t(block) * b.block_bytes;
+  const uint64_t len = uint64_t(num_slots) * b.slot_bytes;  // quantised slots carry their scales
+  const uint64_t w = (len + 7) / 8;                         // words per segment
+  uint64_t sum = 0;
+  for (uint64_t l = 0; l < uint64_t(b.num_layers); ++l) {
+    const uint8_t* k = b.base + l * b.layer_stride + offset;
+    sum += SegmentSum(k, len, 2 * l * w);
+    sum += SegmentSum(k + b.kv_stride, len, (2 * l + 1) * w);
+  }
+  return Mix(sum ^ ((2 * uint64_t(b.num_layers) * len) * kernels::kKvChecksumLenMul));
+}
+
+uint64_t KvBytesChecksum(const uint8_t* p, uint64_t n) {
+  return Mix(SegmentSum(p, n, 0) ^ (n * kernels::kKvChecksumLenMul));
+}
+
+uint64_t BlockChecksum(const engine::KvCache& kv, int32_t block, int32_t num_slots) {
+  KvBufferLayout b;
+  b.base = kv.k_layer(0);
+  b.layer_stride = 2 * kv.layer_bytes();
+  b.kv_stride = kv.layer_bytes();
+  b.num_layers = kv.options().num_layers;
+  b.block_bytes = kv.block_bytes();
+  b.slot_bytes = kv.slot_bytes();
+  return RawBlockChecksum(b, block, num_slots);
 }
 
 std::vector<uint64_t> SequenceChecksums(const engine::KvCache& kv, std::span<const int32_t> blocks,
@@ -85,6 +143,13 @@ std::vector<uint64_t> SequenceChecksums(const engine::KvCache& kv, std::span<con
     out.push_back(BlockChecksum(kv, blocks[i], static_cast<int32_t>(slots)));
   }
   return out;
+}
+
+absl::StatusOr<std::vector<uint64_t>> PoolChecksums(const engine::KvCache& kv,
+                                                    std::span<const int32_t> blocks,
+                                                    int64_t num_tokens) {
+  if (kv.on_device()) return DeviceSequenceChecksums(kv, blocks, num_tokens);
+  return SequenceChecksums(kv, blocks, num_tokens);
 }
 
 }  // namespace tandem::services

@@ -12,20 +12,14 @@ namespace tandem::services {
 absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
                                     const transfer::KvTransport* transport) {
   if (options.device == engine::Device::kCpu) return absl::OkStatus();
-  const std::string name = transport == nullptr ? "none" : transport->capabilities().name;
-  if (transport == nullptr || !transport->capabilities().device_memory) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--device ", engine::DeviceName(options.device),
-        " keeps the KV pool in GPU memory, which the KV transport '", name,
-        "' cannot register or read; a GPU worker needs a transport with device-memory support "
-        "(UCX built with CUDA: the cuda_copy/cuda_ipc transports, which Debian's libucx lacks; "
-        "or NCCL). Use --device cpu here, or `tandem generate --device cuda` for a "
-        "single-process GPU run"));
-  }
-  return absl::UnimplementedError(absl::StrCat(
-      "--device ", engine::DeviceName(options.device), " with transport '", name,
-      "': the worker's KV checksums, prefix onboarding and kvstore publishing read the pool on "
-      "the host and have no device variant yet"));
+  // First whether there is a GPU at all: the clearest answer on a machine without one.
+  TANDEM_RETURN_IF_ERROR(engine::CheckDeviceAvailable(options.device));
+  if (transport == nullptr || transport->capabilities().device_memory) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "--device ", engine::DeviceName(options.device),
+      " keeps the KV pool in GPU memory, which the KV transport '", transport->capabilities().name,
+      "' cannot register or read; use --transport cuda_ipc (GPUs of one node), or a UCX built "
+      "with CUDA (its cuda_copy/cuda_ipc transports, which Debian's libucx lacks)"));
 }
 
 absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine::Model> model,
@@ -53,6 +47,7 @@ absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine
     return engine.status();
   }
   out.engine = std::move(*engine);
+  // A GPU pool is the engine's own device memory: registered as it is (cuda_ipc exports it).
   if (transport != nullptr && !out.in_transport_memory) {
     std::span<uint8_t> mem = out.engine->kv().memory();
     TANDEM_ASSIGN_OR_RETURN(out.region, transport->RegisterRegion(mem.data(), mem.size()));

@@ -27,12 +27,13 @@ struct EngineInRegion {
 
 // Whether a worker can keep its KV pool where `options.device` puts it, moving KV with
 // `transport` (null: none). A host pool always can. A pool in GPU memory (Device::kCuda) needs a
-// transport that registers and reads device memory (Capabilities::device_memory: UCX built with
-// CUDA support, or NCCL); Debian's UCX has no CUDA support, and staging every transfer through
-// host memory would hide that cost, so this refuses with FAILED_PRECONDITION naming what is
-// needed. Even with such a transport the workers' per-block checksums, prefix onboarding and
-// kvstore publishing still read KV bytes on the host, so a GPU pool is UNIMPLEMENTED there until
-// they have device variants. Called by both workers before they create their engine.
+// usable GPU (FAILED_PRECONDITION "device cuda: no CUDA device is visible ...", or "built
+// without CUDA") and a transport that registers and reads device memory
+// (Capabilities::device_memory: cuda_ipc, or UCX built with CUDA, detected at run time);
+// Debian's UCX has no CUDA support, and staging every transfer through host memory would hide
+// that cost, so that is FAILED_PRECONDITION naming what is needed. Checksums, prefix onboarding
+// and publishing of a device pool run on the device or through pinned staging (kv_device.h).
+// Called by both workers before they create their engine.
 absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
                                     const transfer::KvTransport* transport);
 

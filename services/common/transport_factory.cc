@@ -9,6 +9,9 @@
 #if TANDEM_HAVE_UCX_TRANSPORT
 #include "common/transfer/ucx/ucx_transport.h"
 #endif
+#if TANDEM_HAVE_CUDA_IPC_TRANSPORT
+#include "common/transfer/cuda_ipc/cuda_ipc_transport.h"
+#endif
 
 namespace tandem::services {
 
@@ -16,6 +19,9 @@ std::vector<std::string> AvailableTransports() {
   std::vector<std::string> out;
 #if TANDEM_HAVE_UCX_TRANSPORT
   out.push_back("ucx");
+#endif
+#if TANDEM_HAVE_CUDA_IPC_TRANSPORT
+  out.push_back("cuda_ipc");
 #endif
 #if TANDEM_HAVE_INPROC_TRANSPORT
   out.push_back("inproc");
@@ -41,8 +47,17 @@ absl::StatusOr<std::unique_ptr<transfer::KvTransport>> CreateTransport(const Tra
     return absl::UnimplementedError("this build has no in-process transport");
 #endif
   }
+  if (c.kind == "cuda_ipc") {
+#if TANDEM_HAVE_CUDA_IPC_TRANSPORT
+    return transfer::CreateCudaIpcTransport(transfer::CudaIpcTransportOptions{});
+#else
+    return absl::FailedPreconditionError(
+        "transport cuda_ipc: this tandem was built without CUDA (nvcc was not found at "
+        "configure time, or TANDEM_ENABLE_CUDA is OFF)");
+#endif
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport \"", c.kind, "\"; use ucx or inproc"));
+      absl::StrCat("unknown transport \"", c.kind, "\"; use ucx, cuda_ipc or inproc"));
 }
 
 }  // namespace tandem::services

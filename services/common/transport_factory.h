@@ -2,7 +2,9 @@
 //
 // "ucx": UCX (shared memory, TCP, RDMA); `ucx_tls` selects UCX transports ("shm", "tcp", "all"
 // or an explicit list). "inproc": peers in the same process only, useful for tests and a
-// single-process smoke run, useless between separate worker processes.
+// single-process smoke run, useless between separate worker processes. "cuda_ipc": device
+// memory to device memory between the processes of one node (common/transfer/cuda_ipc), for
+// workers with --device cuda; FAILED_PRECONDITION without a GPU or in a build without CUDA.
 // Which backends exist depends on the build; an absent one is UNIMPLEMENTED, an unknown name
 // INVALID_ARGUMENT. Thread-safe.
 #pragma once
@@ -17,7 +19,7 @@
 namespace tandem::services {
 
 struct TransportChoice {
-  std::string kind = "ucx";  // "ucx" or "inproc"
+  std::string kind = "ucx";  // "ucx", "cuda_ipc" or "inproc"
   std::string name;          // instance name (inproc address); defaults to "worker"
   std::string ucx_tls = "shm";
 };

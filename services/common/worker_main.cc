@@ -47,8 +47,8 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--kv-type,--kv-dtype", f->kv_type, spec.kv_type_help)
       ->check(CLI::IsMember({"f32", "f16", "int8", "fp8"}));
   app.add_option("--device", f->device,
-                 "cpu, or cuda: weights and KV pool on the GPU; the pool must then be registered "
-                 "with a transport that can hold device memory (docs/perf/cuda.md)")
+                 "cpu, or cuda: weights and KV pool on the GPU; the pool is then registered with "
+                 "a transport that holds device memory: cuda_ipc on one node (docs/gpu.md)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--ctx-size", f->ctx_size, "positions per sequence (0: min(model, 4096))")
       ->check(CLI::NonNegativeNumber);
@@ -88,6 +88,11 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
   // Before any server or channel exists: they take the process's TLS settings.
   if (absl::Status st = SetProcessTls(f->tls); !st.ok()) return st;
   return absl::OkStatus();
+}
+
+absl::Status CheckWorkerDevice(const WorkerFlags& f) {
+  return engine::CheckDeviceAvailable(
+      engine::DeviceFromName(f.device).value_or(engine::Device::kCpu));
 }
 
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {

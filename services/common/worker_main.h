@@ -86,6 +86,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* flags, const WorkerFlagSpec& spe
 // pins to --cpus, and fills in the default worker id ("<role>-HOST-PID").
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* flags);
 
+// Whether --device can be served here, before the model is loaded: FAILED_PRECONDITION
+// "device cuda: no CUDA device is visible ..." (or "... built without CUDA") for --device cuda
+// on a machine or build without a GPU.
+absl::Status CheckWorkerDevice(const WorkerFlags& flags);
+
 // The engine options the shared flags describe.
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
 

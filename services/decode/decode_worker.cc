@@ -423,7 +423,13 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   }
   // Verify before admitting: a sequence must never decode from KV that is not what prefill
   // computed (a torn or misdirected transfer, a reused block, memory corruption).
-  const std::vector<uint64_t> sums = services::SequenceChecksums(kv, r.blocks, prompt);
+  // (On the device for a GPU pool, by the same algorithm prefill used, kv_layout.h.)
+  absl::StatusOr<std::vector<uint64_t>> computed = services::PoolChecksums(kv, r.blocks, prompt);
+  if (!computed.ok()) {
+    Quarantine(id, std::move(r.blocks), "was refused (its KV could not be checksummed)");
+    return computed.status();
+  }
+  const std::vector<uint64_t>& sums = *computed;
   for (int64_t i = 0; i < prompt_blocks; ++i) {
     if (sums[i] != req.block_checksums(static_cast<int>(i))) {
       integrity_failures_.fetch_add(1);

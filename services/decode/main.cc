@@ -34,8 +34,10 @@ int Main(int argc, char** argv) {
   services::WorkerFlagSpec spec;
   spec.role = "decode";
   spec.default_max_seqs = 8;
-  spec.transports = {"ucx", "inproc", "none"};
-  spec.transport_help = "KV transport: ucx, inproc (same process only), none";
+  spec.transports = {"ucx", "cuda_ipc", "inproc", "none"};
+  spec.transport_help =
+      "KV transport: ucx, cuda_ipc (GPU pool, prefill on the same node), inproc (same process "
+      "only), none";
   spec.kv_blocks_help = "KV pool blocks (0: max-seqs full contexts)";
   spec.max_seqs_help = "sequences decoding at once";
   spec.grace_help = "on SIGTERM, how long in-flight streams may finish";
@@ -57,6 +59,9 @@ int Main(int argc, char** argv) {
 
   if (absl::Status st = services::PrepareWorkerProcess(spec, &flags); !st.ok()) {
     return services::FailWorker(kBinary, "process setup", st);
+  }
+  if (absl::Status st = services::CheckWorkerDevice(flags); !st.ok()) {
+    return services::FailWorker(kBinary, absl::StrCat("--device ", flags.device), st);
   }
   absl::StatusOr<std::unique_ptr<engine::Model>> model = engine::Model::Load(flags.model_path);
   if (!model.ok()) {

@@ -1,7 +1,5 @@
 #include "services/kvstore/data_plane.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -9,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/util/status_util.h"
+#include "services/common/kv_layout.h"
 #include "services/kvstore/kvstore_service.h"
 
 namespace tandem::kvstore {
@@ -131,7 +130,7 @@ absl::StatusOr<v1::KvCommitResponse> KvDataPlane::Commit(const v1::KvCommitReque
   absl::Status first_error;
   for (size_t i = 0; i < e.slots.size(); ++i) {
     const uint8_t* p = staging_ + uint64_t(e.slots[i]) * o_.slot_bytes;
-    if (XXH3_64bits(p, e.block_bytes) != req.checksums(static_cast<int>(i))) {
+    if (services::KvBytesChecksum(p, e.block_bytes) != req.checksums(static_cast<int>(i))) {
       store_->CountRejectedBlock();
       resp.set_integrity_failures(resp.integrity_failures() + 1);
       continue;
@@ -188,7 +187,7 @@ absl::StatusOr<v1::KvReadResponse> KvDataPlane::Read(const v1::KvReadRequest& re
     // A block stored by a worker with another KV shape is not this requester's block.
     if (data->size() != block_bytes) break;
     resp.add_tiers(ToProtoTier(where.value_or(TierKind::kDevice)));
-    resp.add_checksums(XXH3_64bits(data->data(), data->size()));
+    resp.add_checksums(services::KvBytesChecksum(data->data(), data->size()));
     blocks.push_back(std::move(*data));
     const uint8_t* src = blocks.back().data();
     for (uint64_t s = 0; s < segments; ++s) {

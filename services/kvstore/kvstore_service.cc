@@ -104,7 +104,7 @@ grpc::Status KvStoreService::Stats(grpc::ServerContext*, const v1::KvStatsReques
     if (store_->tier(static_cast<TierKind>(t)) == nullptr) continue;
     const TierStats& ts = s.tiers[t];
     v1::KvTierStats* out = resp->add_tiers();
-    out->set_tier(TierKindName(static_cast<TierKind>(t)));
+    out->set_tier(ts.label.empty() ? TierKindName(static_cast<TierKind>(t)) : ts.label);
     out->set_backend(ts.name);
     out->set_capacity_bytes(ts.capacity_bytes);
     out->set_used_bytes(ts.used_bytes);

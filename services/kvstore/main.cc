@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
     const auto* tier = (*store)->tier(static_cast<tandem::kvstore::TierKind>(t));
     if (tier == nullptr) continue;
     std::fprintf(stderr, "tandem-kvstore: tier %s: %s, %llu bytes, %lld blocks\n",
-                 tandem::kvstore::TierKindName(tier->kind()), tier->name().c_str(),
+                 tier->label().c_str(), tier->name().c_str(),
                  static_cast<unsigned long long>(tier->Capacity()),
                  static_cast<long long>(tier->NumBlocks()));
   }

@@ -1,9 +1,11 @@
 // The in-memory tiers.
 //
-// DeviceTier: a fixed arena cut into equal slots, as an accelerator KV pool is. This build has
-// no CUDA allocation path, so the arena is host memory standing in for device memory and
-// name() says "device-emulated"; the store's policy is the same either way. A block larger than
-// a slot is refused (INVALID_ARGUMENT).
+// DeviceTier: a fixed arena cut into equal slots, as an accelerator KV pool is. In a CUDA build
+// on a machine with a GPU the arena is device memory (cudaMalloc; blocks are copied in and out
+// with cudaMemcpy), labelled "device". Otherwise it is host memory standing in for device
+// memory, and its label ("device-emulated": the `tier` label of every metric, the Stats answer
+// and every log line) and name() say so; the store's policy is the same either way. A block
+// larger than a slot is refused (INVALID_ARGUMENT).
 // HostTier: DRAM, one heap buffer per block; capacity counts payload bytes.
 //
 // Threading and errors: see tier.h.
@@ -18,13 +20,18 @@
 
 namespace tandem::kvstore {
 
+// "device" where a DeviceTier created now would hold CUDA memory, "device-emulated" otherwise.
+std::string DeviceTierLabel();
+
 class DeviceTier : public Tier {
  public:
   // capacity_bytes / slot_bytes slots; both must be positive (INVALID_ARGUMENT otherwise).
   static absl::StatusOr<std::unique_ptr<DeviceTier>> Create(uint64_t capacity_bytes,
                                                             uint64_t slot_bytes);
 
+  ~DeviceTier() override;
   TierKind kind() const override { return TierKind::kDevice; }
+  std::string label() const override { return on_device_ ? "device" : "device-emulated"; }
   std::string name() const override;
   absl::Status Put(uint64_t hash, std::span<const uint8_t> data) override;
   absl::StatusOr<std::vector<uint8_t>> Get(uint64_t hash) override;
@@ -38,14 +45,17 @@ class DeviceTier : public Tier {
   uint64_t slot_bytes() const { return slot_bytes_; }
 
  private:
-  DeviceTier(uint64_t num_slots, uint64_t slot_bytes);
+  DeviceTier(uint64_t num_slots, uint64_t slot_bytes, uint8_t* device_arena, int ordinal);
   struct Slot {
     uint32_t index;
     uint64_t length;
   };
   uint64_t num_slots_;
   uint64_t slot_bytes_;
-  std::unique_ptr<uint8_t[]> arena_;
+  std::unique_ptr<uint8_t[]> arena_;  // the host arena (emulated)
+  uint8_t* device_arena_ = nullptr;   // the CUDA arena (cudaMalloc'd), owned
+  bool on_device_ = false;
+  int ordinal_ = -1;
   std::vector<uint32_t> free_slots_;
   absl::flat_hash_map<uint64_t, Slot> index_;
 };

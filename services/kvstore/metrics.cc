@@ -29,7 +29,7 @@ void UpdateKvStoreMetrics(const TieredStoreStats& s, const std::string& model_na
     const TierStats& t = s.tiers[k];
     integrity += t.integrity_failures;
     if (t.name.empty()) continue;  // tier disabled
-    const std::string tier = TierKindName(static_cast<TierKind>(k));
+    const std::string tier = t.label.empty() ? TierKindName(static_cast<TierKind>(k)) : t.label;
     const prometheus::Labels l = {{"model_name", model_name}, {"role", role}, {"tier", tier}};
     m->KvStoreTierBytes(model_name, role, tier).Set(static_cast<double>(t.used_bytes));
     capacity.Add(l).Set(static_cast<double>(t.capacity_bytes));

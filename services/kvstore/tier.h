@@ -34,6 +34,9 @@ class Tier {
   virtual ~Tier() = default;
 
   virtual TierKind kind() const = 0;
+  // The `tier` label of metrics, the Stats answer and log lines: TierKindName(kind()), except a
+  // device tier without a GPU, which is "device-emulated".
+  virtual std::string label() const { return TierKindName(kind()); }
   // Human-readable backend name, e.g. "device-emulated (host arena)".
   virtual std::string name() const = 0;
 

@@ -59,7 +59,10 @@ absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredSto
   }
   absl::MutexLock l(&s->mu_);
   for (int t = 0; t < kNumTiers; ++t) {
-    if (s->tiers_[t] != nullptr) s->stats_.tiers[t].name = s->tiers_[t]->name();
+    if (s->tiers_[t] != nullptr) {
+      s->stats_.tiers[t].name = s->tiers_[t]->name();
+      s->stats_.tiers[t].label = s->tiers_[t]->label();
+    }
   }
   return s;
 }
@@ -140,7 +143,7 @@ void TieredStore::Demote(int t, uint64_t hash) {
         ++stats_.tiers[next].demoted_in;
       } else {
         std::fprintf(stderr, "tandem-kvstore: demoting block %016llx to %s failed: %s\n",
-                     static_cast<unsigned long long>(hash), TierKindName(TierKind(next)),
+                     static_cast<unsigned long long>(hash), tiers_[next]->label().c_str(),
                      st.ToString().c_str());
       }
     }

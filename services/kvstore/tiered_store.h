@@ -54,6 +54,7 @@ struct TieredStoreConfig {
 
 struct TierStats {
   std::string name;
+  std::string label;  // Tier::label(): "device" or "device-emulated", "host", "ssd"
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
   int64_t blocks = 0;

@@ -31,8 +31,10 @@ int Main(int argc, char** argv) {
   services::WorkerFlagSpec spec;
   spec.role = "prefill";
   spec.default_max_seqs = 4;
-  spec.transports = {"ucx", "inproc"};
-  spec.transport_help = "KV transport: ucx, or inproc (same process only)";
+  spec.transports = {"ucx", "cuda_ipc", "inproc"};
+  spec.transport_help =
+      "KV transport to decode: ucx, cuda_ipc (GPU pool, decode on the same node), or inproc "
+      "(same process only)";
   spec.kv_blocks_help = "local KV blocks (0: max-seqs full contexts)";
   spec.block_size_help = "tokens per KV block (must match decode)";
   spec.kv_type_help = "KV cache element type (must match decode)";
@@ -47,6 +49,11 @@ int Main(int argc, char** argv) {
   int kvstore_lookup_ms = 200, kvstore_read_ms = 5000, publish_queue_blocks = 512;
   app.add_flag("--no-prefix-cache", no_prefix_cache, "compute every prompt in full");
   app.add_option("--kvstore", kvstore, "tandem-kvstore HOST:PORT to onboard from and publish to");
+  std::string kvstore_transport;
+  app.add_option("--kvstore-transport", kvstore_transport,
+                 "KV transport to the kvstore, which serves host memory: ucx or inproc "
+                 "(default: --transport; ucx with --ucx-tls when --transport is cuda_ipc)")
+      ->check(CLI::IsMember({"ucx", "inproc"}));
   app.add_option("--kvstore-lookup-ms", kvstore_lookup_ms, "deadline of a kvstore Lookup")
       ->check(CLI::PositiveNumber);
   app.add_option("--kvstore-read-ms", kvstore_read_ms, "deadline of a kvstore Read")
@@ -67,6 +74,9 @@ int Main(int argc, char** argv) {
   if (absl::Status st = services::PrepareWorkerProcess(spec, &flags); !st.ok()) {
     return services::FailWorker(kBinary, "process setup", st);
   }
+  if (absl::Status st = services::CheckWorkerDevice(flags); !st.ok()) {
+    return services::FailWorker(kBinary, absl::StrCat("--device ", flags.device), st);
+  }
   absl::StatusOr<std::unique_ptr<engine::Model>> model = engine::Model::Load(flags.model_path);
   if (!model.ok()) {
     return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
@@ -76,6 +86,18 @@ int Main(int argc, char** argv) {
       services::TransportFromFlags(flags);
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
+  // The kvstore's transport, when it differs from decode's (a GPU pool's cuda_ipc cannot reach
+  // the store's host memory).
+  if (kvstore_transport.empty() && flags.transport == "cuda_ipc") kvstore_transport = "ucx";
+  std::unique_ptr<transfer::KvTransport> store_transport;
+  if (!kvstore.empty() && !kvstore_transport.empty() && kvstore_transport != flags.transport) {
+    services::WorkerFlags sf = flags;
+    sf.transport = kvstore_transport;
+    sf.test_fault_flip_bit_every = 0;
+    absl::StatusOr<std::unique_ptr<transfer::KvTransport>> t = services::TransportFromFlags(sf);
+    if (!t.ok()) return services::FailWorker(kBinary, "--kvstore-transport", t.status());
+    store_transport = std::move(*t);
+  }
 
   // Recorded always (a few atomics per request); served only with --metrics-port.
   services::Metrics metrics;
@@ -87,6 +109,7 @@ int Main(int argc, char** argv) {
   wo.engine = services::EngineOptionsFromFlags(flags);
   wo.worker_id = flags.worker_id;
   wo.transport = kv_transport->get();
+  wo.kvstore_transport = store_transport.get();
   wo.max_transfer_time = absl::Milliseconds(max_transfer_ms);
   wo.prefix_cache = !no_prefix_cache;
   wo.kvstore.address = kvstore;
@@ -114,6 +137,7 @@ int Main(int argc, char** argv) {
   so.metrics = &metrics;
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
+  store_transport.reset();
   return rc;
 }
 

@@ -1,6 +1,7 @@
 #include "services/prefill/prefill_worker.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -73,18 +74,39 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   // With a kvstore the local pool is a registered region (the store writes onboarded blocks
   // into it): transport-allocated memory where the transport offers it, as decode does.
   const bool with_store = !o.kvstore.address.empty();
-  TANDEM_ASSIGN_OR_RETURN(
-      services::EngineInRegion e,
-      services::CreateEngineInRegion(o.model, o.engine, with_store ? o.transport : nullptr));
+  const bool device_pool = o.engine.device != engine::Device::kCpu;
+  transfer::KvTransport* store_t =
+      o.kvstore_transport != nullptr ? o.kvstore_transport : o.transport;
+  // A host pool is itself the region the store writes into; a GPU pool is not (the store's
+  // transport serves host memory): onboarding goes through pinned staging then.
+  TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e,
+                          services::CreateEngineInRegion(
+                              o.model, o.engine, with_store && !device_pool ? store_t : nullptr));
   std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(e.engine)));
+  w->store_transport_ = store_t;
   if (e.region) {
     w->region_bytes_ = e.region->Serialize();
     w->region_id_ = e.region->region_id;
     w->region_registered_ = true;
     w->pool_in_transport_memory_ = e.in_transport_memory;
   }
+  if (with_store && device_pool) {
+    const engine::KvCache& kv = w->engine_->kv();
+    // Room for one sequence's longest prefix: a Read never asks for more.
+    w->staging_blocks_ =
+        static_cast<int32_t>(services::BlocksFor(w->engine_->ctx_size(), kv.block_size()));
+    const uint64_t bytes =
+        2 * uint64_t(kv.options().num_layers) * kv.block_bytes() * uint64_t(w->staging_blocks_);
+    TANDEM_ASSIGN_OR_RETURN(w->onboard_staging_, services::KvStaging::Create(bytes));
+    TANDEM_ASSIGN_OR_RETURN(w->publish_staging_, services::KvStaging::Create(0));
+    TANDEM_ASSIGN_OR_RETURN(transfer::RegionDescriptor d,
+                            store_t->RegisterRegion(w->onboard_staging_->data(), bytes));
+    w->region_bytes_ = d.Serialize();
+    w->region_id_ = d.region_id;
+    w->region_registered_ = true;
+  }
   if (with_store) {
-    TANDEM_ASSIGN_OR_RETURN(w->kvstore_, KvStoreClient::Create(o.kvstore, o.transport));
+    TANDEM_ASSIGN_OR_RETURN(w->kvstore_, KvStoreClient::Create(o.kvstore, store_t));
   }
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
@@ -109,12 +131,12 @@ PrefillWorker::~PrefillWorker() {
   cache_.reset();
   quarantine_.clear();
   if (region_registered_ && !pool_in_transport_memory_) {
-    (void)o_.transport->DeregisterRegion(region_id_);
+    (void)store_transport_->DeregisterRegion(region_id_);
   }
   engine_.reset();
   // Transport-allocated pool memory is freed by the deregistration, after the engine is gone.
   if (region_registered_ && pool_in_transport_memory_) {
-    (void)o_.transport->DeregisterRegion(region_id_);
+    (void)store_transport_->DeregisterRegion(region_id_);
   }
 }
 
@@ -447,6 +469,10 @@ void PrefillWorker::Onboard(Job& j, int32_t usable) {
   const int32_t from = static_cast<int32_t>(j.local_cached_blocks);
   const int32_t to = std::min(j.store_matched, usable);
   if (kvstore_ == nullptr || !region_registered_ || to <= from) return;
+  if (onboard_staging_ != nullptr) {
+    OnboardThroughStaging(j, from, std::min(to, from + staging_blocks_));
+    return;
+  }
   engine::KvCache& kv = engine_->kv();
   v1::KvReadRequest req;
   req.mutable_block_hashes()->Add(j.hashes.begin() + from, j.hashes.begin() + to);
@@ -494,6 +520,69 @@ void PrefillWorker::Onboard(Job& j, int32_t usable) {
   }
 }
 
+void PrefillWorker::OnboardThroughStaging(Job& j, int32_t from, int32_t to) {
+  // The store may still be writing into the staging after a failed Read: leave it alone until
+  // that Read's deadline and the quarantine have passed (the prefix is computed meanwhile).
+  if (to <= from || absl::Now() < staging_quarantined_until_) return;
+  engine::KvCache& kv = engine_->kv();
+  const int32_t n = to - from;
+  const uint64_t seg = kv.block_bytes();
+  const uint64_t kv_stride = uint64_t(staging_blocks_) * seg;
+  v1::KvReadRequest req;
+  req.mutable_block_hashes()->Add(j.hashes.begin() + from, j.hashes.begin() + to);
+  for (int32_t i = 0; i < n; ++i) req.add_block_ids(i);  // staging blocks 0..n-1
+  v1::KvRegionLayout* d = req.mutable_destination();
+  d->set_region(region_bytes_);
+  d->set_num_layers(engine_->model().config().n_layer);
+  d->set_layer_stride(2 * kv_stride);
+  d->set_kv_stride(kv_stride);
+  d->set_segment_bytes(seg);
+  absl::StatusOr<v1::KvReadResponse> r = kvstore_->Read(req);
+  if (!r.ok()) {
+    staging_quarantined_until_ =
+        absl::Now() + kvstore_->options().read_timeout + o_.read_quarantine;
+    return;  // the local blocks were not touched: compute the prefix into them
+  }
+  // Verified on the host, in the staging, before anything reaches the device pool.
+  services::KvBufferLayout b;
+  b.base = onboard_staging_->data();
+  b.layer_stride = 2 * kv_stride;
+  b.kv_stride = kv_stride;
+  b.num_layers = kv.options().num_layers;
+  b.block_bytes = seg;
+  b.slot_bytes = kv.slot_bytes();
+  int32_t good = 0;
+  int worst = 0;
+  for (int i = 0; i < r->read() && i < r->checksums_size() && i < n; ++i) {
+    if (services::RawBlockChecksum(b, i, kv.block_size()) != r->checksums(i)) break;
+    if (i < r->tiers_size()) worst = std::max(worst, static_cast<int>(r->tiers(i)));
+    ++good;
+  }
+  std::vector<services::KvHostCopy> copies;
+  copies.reserve(2 * size_t(good) * b.num_layers);
+  for (int32_t i = 0; i < good; ++i) {
+    const uint64_t at = uint64_t(j.local_blocks[from + i]) * seg;
+    for (int32_t l = 0; l < b.num_layers; ++l) {
+      uint8_t* k = onboard_staging_->data() + l * b.layer_stride + uint64_t(i) * seg;
+      copies.push_back({uint64_t(kv.k_layer(l) - kv.k_layer(0)) + at, k, seg});
+      copies.push_back({uint64_t(kv.v_layer(l) - kv.k_layer(0)) + at, k + kv_stride, seg});
+    }
+  }
+  if (absl::Status st = onboard_staging_->FromHost(kv, copies); !st.ok()) {
+    std::fprintf(stderr,
+                 "request %s: onboarding %d kvstore blocks to the device failed, "
+                 "computing them: %s\n",
+                 j.id.c_str(), good, st.ToString().c_str());
+    return;
+  }
+  j.kvstore_blocks = good;
+  if (good > 0) {
+    j.onboard_tier = worst == v1::KV_TIER_SSD    ? "ssd"
+                     : worst == v1::KV_TIER_HOST ? "host"
+                                                 : "device";
+  }
+}
+
 void PrefillWorker::QueuePublish(const Job& j) {
   if (kvstore_ == nullptr) return;
   const int32_t from = j.store_matched;
@@ -505,14 +594,43 @@ void PrefillWorker::QueuePublish(const Job& j) {
   PublishBatch b;
   b.block_bytes = 2 * uint64_t(layers) * seg;
   b.bytes.resize(b.block_bytes * (to - from));
-  uint8_t* out = b.bytes.data();
-  for (int32_t i = from; i < to; ++i) {
-    const uint64_t at = uint64_t(j.local_blocks[i]) * seg;
-    for (int32_t l = 0; l < layers; ++l) {
-      std::memcpy(out, kv.k_layer(l) + at, seg);
-      std::memcpy(out + seg, kv.v_layer(l) + at, seg);
-      out += 2 * seg;
+  if (kv.on_device()) {
+    // Device to host through pinned staging, in the batch's layout, then into the batch.
+    const uint64_t total = b.bytes.size();
+    std::vector<services::KvHostCopy> copies;
+    absl::Status st = publish_staging_ == nullptr
+                          ? absl::FailedPreconditionError("no publish staging")
+                          : publish_staging_->Reserve(total);
+    if (st.ok()) {
+      uint8_t* out = publish_staging_->data();
+      for (int32_t i = from; i < to; ++i) {
+        const uint64_t at = uint64_t(j.local_blocks[i]) * seg;
+        for (int32_t l = 0; l < layers; ++l) {
+          copies.push_back({uint64_t(kv.k_layer(l) - kv.k_layer(0)) + at, out, seg});
+          copies.push_back({uint64_t(kv.v_layer(l) - kv.k_layer(0)) + at, out + seg, seg});
+          out += 2 * seg;
+        }
+      }
+      st = publish_staging_->ToHost(kv, copies);
     }
+    if (!st.ok()) {
+      std::fprintf(stderr, "request %s: not publishing to the kvstore: %s\n", j.id.c_str(),
+                   st.ToString().c_str());
+      return;
+    }
+    std::memcpy(b.bytes.data(), publish_staging_->data(), total);
+  } else {
+    uint8_t* out = b.bytes.data();
+    for (int32_t i = from; i < to; ++i) {
+      const uint64_t at = uint64_t(j.local_blocks[i]) * seg;
+      for (int32_t l = 0; l < layers; ++l) {
+        std::memcpy(out, kv.k_layer(l) + at, seg);
+        std::memcpy(out + seg, kv.v_layer(l) + at, seg);
+        out += 2 * seg;
+      }
+    }
+  }
+  for (int32_t i = from; i < to; ++i) {
     b.hashes.push_back(j.hashes[i]);
     b.checksums.push_back(j.checksums[i]);
   }
@@ -603,8 +721,14 @@ bool PrefillWorker::ComputeStep() {
     j.first_token = sampler.Sample(lg, j.prompt);
     j.compute_end = absl::Now();
     // The local copy no longer changes: checksum it while the last writes are in flight.
-    j.checksums = services::SequenceChecksums(engine_->kv(), j.local_blocks,
-                                              static_cast<int64_t>(j.prompt.size()));
+    // On the device for a GPU pool (the kernel and the CPU agree bit for bit, kv_layout.h).
+    absl::StatusOr<std::vector<uint64_t>> sums = services::PoolChecksums(
+        engine_->kv(), j.local_blocks, static_cast<int64_t>(j.prompt.size()));
+    if (!sums.ok()) {
+      EndCompute(jobs[i], sums.status());
+      continue;
+    }
+    j.checksums = std::move(*sums);
     j.published_blocks = 0;
     const uint64_t before = published_blocks_;
     QueuePublish(j);

@@ -53,8 +53,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/transfer/transfer.h"
-#include "engine/runtime/engine.h"
 #include "engine/kv/prefix_cache.h"
+#include "engine/runtime/engine.h"
+#include "services/common/kv_device.h"
 #include "services/common/metrics.h"
 #include "services/prefill/kvstore_client.h"
 #include "tandem/v1/worker.pb.h"
@@ -66,6 +67,9 @@ struct PrefillWorkerOptions {
   engine::EngineOptions engine;
   std::string worker_id = "prefill";
   transfer::KvTransport* transport = nullptr;  // not owned; required
+  // The transport the kvstore writes onboarded blocks over (it serves host memory); not owned.
+  // Null: `transport`. A GPU worker needs one here when `transport` is device-only (cuda_ipc).
+  transfer::KvTransport* kvstore_transport = nullptr;
   // Bounds the transfer of a request whose RPC has no deadline.
   absl::Duration max_transfer_time = absl::Minutes(2);
   // How often a waiting Prefill checks whether its caller gave up.
@@ -79,6 +83,9 @@ struct PrefillWorkerOptions {
   bool prefix_cache = true;
   // The tiered KV store to onboard from and publish to; an empty address means none. Needs the
   // local pool registered with the transport, which Create then does.
+  // With a GPU pool (engine.device kCuda) the store writes into a pinned host staging region
+  // instead, registered with kvstore_transport, and verified blocks are copied to the device;
+  // publishing copies device to host through pinned staging too (services/common/kv_device.h).
   KvStoreClientOptions kvstore;
   // How long blocks stay out of the pool after a kvstore Read into them failed (the store may
   // still be writing); on top of the read's own timeout.
@@ -127,6 +134,9 @@ class PrefillWorker {
   // Engine-thread helpers of prefix onboarding.
   void Onboard(Job& job, int32_t usable);
   void QueuePublish(const Job& job);
+  // Onboard for a GPU pool: the store writes blocks [from, to) into the pinned staging, which
+  // are verified there and copied to the device.
+  void OnboardThroughStaging(Job& j, int32_t from, int32_t to);
   void ReleaseBlocks(Job& job, bool cache_them);
   void ReleaseQuarantine(bool all);
   // Transport-callback side: the job's last write completed after its compute ended.
@@ -138,11 +148,20 @@ class PrefillWorker {
   std::string transport_name_;
   std::unique_ptr<engine::PrefixCache> cache_;  // engine thread only; null when off
   std::unique_ptr<KvStoreClient> kvstore_;      // null without a store
-  // The local pool as registered with the transport (what kvstore Reads write into).
+  transfer::KvTransport* store_transport_ = nullptr;  // the kvstore's: o_.kvstore_transport or
+                                                      // o_.transport
+  // The local pool (host pool) or the onboarding staging (GPU pool) as registered with
+  // store_transport_: what kvstore Reads write into.
   std::string region_bytes_;
   uint64_t region_id_ = 0;
   bool region_registered_ = false;
   bool pool_in_transport_memory_ = false;
+  // GPU pool with a kvstore: pinned staging for onboarding (registered, staging_blocks_ blocks
+  // per region) and for publishing (engine thread only). Null otherwise.
+  std::unique_ptr<services::KvStaging> onboard_staging_;
+  std::unique_ptr<services::KvStaging> publish_staging_;
+  int32_t staging_blocks_ = 0;
+  absl::Time staging_quarantined_until_ = absl::InfinitePast();  // after a failed Read
   uint64_t published_blocks_ = 0;  // engine thread only
   uint64_t query_blocks_ = 0;      // engine thread only
   uint64_t hit_blocks_ = 0;        // engine thread only

@@ -59,6 +59,15 @@ for df, base_re, runtime_re in (
           f"{df}: two stages, build then runtime on its base")
     if df.endswith("Dockerfile"):
         check(re.search(r"^ARG DEBIAN_RELEASE=bookworm$", text, re.M), f"{df}: Debian bookworm")
+    else:
+        # The CUDA image must build the CUDA paths (engine, cuda_ipc, NCCL), not the CPU engine.
+        cfg = " ".join(l for l in lines if "cmake -S" in l)
+        check(re.search(r"^ARG CUDA_VERSION=13\.", text, re.M), f"{df}: CUDA 13, as the GPU machines")
+        check("-DTANDEM_ENABLE_CUDA=ON" in cfg and "-DCMAKE_CUDA_COMPILER=" in cfg
+              and "TANDEM_ENGINE_CUDA" not in text, f"{df}: configures the CUDA build", cfg)
+        check('grep -q "tandem: CUDA kernels for"' in text and
+              'grep -q "tandem: NCCL transport enabled"' in text,
+              f"{df}: fails when nvcc or NCCL is not configured")
     targets = set()
     for line in lines:
         m = re.search(r"--target ((?:[\w-]+ ?)+)", line)
@@ -132,8 +141,13 @@ if bin_dir and all(os.path.exists(os.path.join(bin_dir, b)) for b in built) and 
     for line in found.splitlines():
         path_of_list, _, owned = line.partition(".list:")  # list names may hold ":arch"
         owners.setdefault(owned, set()).add(os.path.basename(path_of_list).split(":")[0])
+    # A CUDA build's binaries also load the CUDA runtime (libcudart, libnccl), which the CUDA
+    # image's base provides (Dockerfile.cuda filters those packages out); the CPU image is
+    # built without CUDA and never loads them.
+    cuda_runtime = re.compile(r"/lib(cudart|nccl|cublas|cublasLt)\.so")
     unowned = [lib for lib in libs
-               if not set().union(*(owners.get(v, set()) for v in variants[lib])) & pkgs]
+               if not cuda_runtime.search(lib)
+               and not set().union(*(owners.get(v, set()) for v in variants[lib])) & pkgs]
     check(out.returncode == 0 and "libc6" in pkgs and any(p.startswith("libgrpc") for p in pkgs)
           and not unowned, f"runtime_packages.sh maps all {len(libs)} libraries to {len(pkgs)} packages",
           f"rc {out.returncode}, unmapped {unowned}, {sorted(pkgs)}")

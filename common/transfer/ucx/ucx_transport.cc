@@ -473,6 +473,14 @@ absl::Status UcxTransport::Init() {
   if (options_.write_mode == UcxTransportOptions::WriteMode::kActiveMessage) {
     caps_.one_sided = false;
   }
+  // Device memory only where this UCX build has CUDA support (cuda_copy/cuda_ipc transports),
+  // asked at run time: Debian's libucx has none, a UCX built with CUDA does.
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(context_->get(), &attr) == UCS_OK) {
+    caps_.device_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+  if (caps_.device_memory) caps_.detail += "; cuda memory";
 
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) return util::FromErrno(errno, "eventfd");

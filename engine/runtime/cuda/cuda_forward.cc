@@ -632,14 +632,19 @@ absl::Status CudaForward::Step(std::span<const SeqChunk> chunks, int64_t T, KvCa
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DeviceForward>> CreateCudaForward(std::shared_ptr<const Model> model,
-                                                                 const EngineOptions& o,
-                                                                 uint64_t kv_bytes) {
+absl::Status CudaDeviceAvailable() {
   if (cu::VisibleDeviceCount() == 0) {
     return absl::FailedPreconditionError(
         "device cuda: no CUDA device is visible (no NVIDIA driver, no GPU, or "
         "CUDA_VISIBLE_DEVICES hides them)");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceForward>> CreateCudaForward(std::shared_ptr<const Model> model,
+                                                                 const EngineOptions& o,
+                                                                 uint64_t kv_bytes) {
+  TANDEM_RETURN_IF_ERROR(CudaDeviceAvailable());
   TANDEM_ASSIGN_OR_RETURN(const cu::DeviceInfo dev, cu::CurrentDevice());
   if (dev.sm_major < 8) {
     return absl::FailedPreconditionError(

@@ -32,6 +32,9 @@
 
 namespace tandem::engine {
 
+// FAILED_PRECONDITION "device cuda: no CUDA device is visible ..." unless a GPU is usable.
+absl::Status CudaDeviceAvailable();
+
 // `o` has its defaults resolved (Engine::Create does that); kv_bytes is the KV pool size.
 // Uses the calling thread's current CUDA device.
 // FAILED_PRECONDITION: no visible device, or one older than compute capability 8.0.

@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "services/common/sampling_convert.h"
+#include "services/kvstore/memory_tiers.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "tests/component/services/cluster_fixture.h"
 #include "tests/fakes/child_process.h"
@@ -143,7 +144,8 @@ TEST_F(MetricsBinariesTest, PrefillAndKvStoreServeTheirRoles) {
   ASSERT_EQ(r.status, 200) << k.Log();
   EXPECT_EQ(SampleValue(r.body,
                         "tandem_kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
-                        "tier=\"device\"}"),
+                        "tier=\"" +
+                            kvstore::DeviceTierLabel() + "\"}"),
             0)
       << r.body;
   EXPECT_EQ(SampleValue(r.body,

@@ -10,6 +10,7 @@
 #include "services/common/metrics.h"
 #include "services/common/sampling_convert.h"
 #include "services/decode/decode_worker.h"
+#include "services/kvstore/memory_tiers.h"
 #include "services/kvstore/metrics.h"
 #include "services/kvstore/tiered_store.h"
 #include "services/prefill/prefill_worker.h"
@@ -332,7 +333,8 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   Scraper s(&m);
   const std::string device =
       "tandem_kvstore_tier_bytes{model_name=\"tiny\",role=\"kvstore\","
-      "tier=\"device\"}";
+      "tier=\"" +
+      kvstore::DeviceTierLabel() + "\"}";
   std::string t = s.Get();
   ExpectContractLabels(t, "kvstore");
   EXPECT_NE(t.find("# TYPE tandem_kvstore_tier_bytes gauge"), std::string::npos) << t;
@@ -350,11 +352,13 @@ TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   EXPECT_EQ(SampleValue(t, device), double(used)) << t;
   EXPECT_EQ(SampleValue(t,
                         "tandem_kvstore_tier_hits_total{model_name=\"tiny\","
-                        "role=\"kvstore\",tier=\"device\"}"),
+                        "role=\"kvstore\",tier=\"" +
+                            kvstore::DeviceTierLabel() + "\"}"),
             1);
   EXPECT_EQ(SampleValue(t,
                         "tandem_kvstore_tier_blocks{model_name=\"tiny\","
-                        "role=\"kvstore\",tier=\"device\"}"),
+                        "role=\"kvstore\",tier=\"" +
+                            kvstore::DeviceTierLabel() + "\"}"),
             3);
 
   // Integrity failures are summed over tiers and only ever go up.

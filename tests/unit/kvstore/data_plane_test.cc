@@ -3,8 +3,6 @@
 // registered region laid out like an engine KV pool.
 #include "services/kvstore/data_plane.h"
 
-#include <xxhash.h>
-
 #include <cstring>
 #include <random>
 
@@ -12,6 +10,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "services/common/grpc_server.h"
+#include "services/common/kv_layout.h"
 #include "services/kvstore/kvstore_service.h"
 #include "services/kvstore/metrics.h"
 #include "tests/unit/kvstore/test_util.h"
@@ -95,7 +94,7 @@ class DataPlaneTest : public ::testing::Test {
     creq.set_stage_id(stage.stage_id());
     for (size_t i = 0; i < blocks.size(); ++i) {
       creq.add_block_hashes(hashes[i]);
-      uint64_t sum = XXH3_64bits(blocks[i].data(), kBlock);
+      uint64_t sum = services::KvBytesChecksum(blocks[i].data(), kBlock);
       if (corrupt_second && i == 1) sum ^= 1;  // what a torn or stale write looks like
       creq.add_checksums(sum);
     }
@@ -146,7 +145,7 @@ TEST_F(DataPlaneTest, PublishThenReadIntoAPoolLayout) {
   EXPECT_EQ(resp.bytes(), 3 * kBlock);
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(resp.tiers(i), v1::KV_TIER_DEVICE);
-    EXPECT_EQ(resp.checksums(i), XXH3_64bits(blocks[i].data(), kBlock));
+    EXPECT_EQ(resp.checksums(i), services::KvBytesChecksum(blocks[i].data(), kBlock));
     for (int l = 0; l < kLayers; ++l) {
       for (int kv = 0; kv < 2; ++kv) {
         const uint8_t* got = pool_.data() + SegOffset(l, kv, ids[i]);

@@ -11,6 +11,7 @@
 
 #include "engine/kv/block_pool.h"
 #include "gtest/gtest.h"
+#include "services/kvstore/memory_tiers.h"
 #include "services/kvstore/metrics.h"
 #include "tests/unit/kvstore/test_util.h"
 
@@ -71,7 +72,8 @@ TEST_F(TieredStoreTest, RoundTripLandsOnTheTopTier) {
   EXPECT_EQ(st.tiers[2].misses, 1);
   EXPECT_EQ(st.tiers[0].blocks, 3);
   EXPECT_EQ(st.tiers[0].used_bytes, 3 * kSlot);
-  EXPECT_NE(st.tiers[0].name.find("device-emulated"), std::string::npos);
+  EXPECT_NE(st.tiers[0].name.find(DeviceTierLabel()), std::string::npos);
+  EXPECT_EQ(st.tiers[0].label, DeviceTierLabel());
   EXPECT_EQ(st.puts, 3);
   EXPECT_EQ(st.gets, 4);
 }
@@ -336,7 +338,8 @@ TEST_F(TieredStoreTest, MetricsTextCarriesTheDesignNames) {
   const std::string text = PrometheusText(s->stats(), "stories\"260K");
   EXPECT_NE(text.find("# TYPE tandem_kvstore_tier_bytes gauge"), std::string::npos) << text;
   EXPECT_NE(text.find("tandem_kvstore_tier_bytes{model_name=\"stories\\\"260K\",role=\"kvstore\","
-                      "tier=\"device\"} 3072\n"),
+                      "tier=\"" +
+                      DeviceTierLabel() + "\"} 3072\n"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("tier=\"ssd\"} 0\n"), std::string::npos) << text;

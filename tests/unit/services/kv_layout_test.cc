@@ -3,14 +3,14 @@
 // formula under test), and a destination of another shape is refused by name.
 #include "services/common/kv_layout.h"
 
-#include <xxhash.h>
-
 #include <cstring>
 #include <random>
 
 #include "common/transfer/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "services/common/kv_pool.h"
+#include "tandem/kernels/kv_checksum.h"
+#include "tandem/kernels/kv_quant.h"
 
 namespace tandem::services {
 namespace {
@@ -33,7 +33,27 @@ std::unique_ptr<engine::KvCache> PoisonedCache(const engine::KvCacheOptions& o, 
   return kv;
 }
 
-TEST(KvLayoutTest, ChecksumIsXxh3OverPromptSlotsOfKThenVPerLayer) {
+// The checksum of tandem/kernels/kv_checksum.h over `bytes`, taken as consecutive segments of
+// `seg_len` bytes (K of layer 0, V of layer 0, K of layer 1, ...), by the plain reference.
+uint64_t ReferenceOverSegments(const std::string& bytes, uint64_t seg_len, uint64_t slot_bytes) {
+  kernels::KvChecksumParams p;
+  p.pool = reinterpret_cast<const uint8_t*>(bytes.data());
+  p.layer_stride = 2 * seg_len;
+  p.kv_stride = seg_len;
+  p.num_layers = static_cast<int32_t>(bytes.size() / (2 * seg_len));
+  p.block_bytes = seg_len;
+  p.slot_bytes = slot_bytes;
+  const int32_t block = 0, slots = static_cast<int32_t>(seg_len / slot_bytes);
+  uint64_t out = 0;
+  p.blocks = &block;
+  p.num_slots = &slots;
+  p.count = 1;
+  p.out = &out;
+  kernels::KvBlockChecksumsReference(p);
+  return out;
+}
+
+TEST(KvLayoutTest, ChecksumIsTheKeyedSumOverPromptSlotsOfKThenVPerLayer) {
   const engine::KvCacheOptions o = Shape();
   auto kv = PoisonedCache(o, 1);
   const int32_t block = 3, filled = 3;
@@ -53,9 +73,9 @@ TEST(KvLayoutTest, ChecksumIsXxh3OverPromptSlotsOfKThenVPerLayer) {
     expect_bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
   }
   const uint64_t sum = BlockChecksum(*kv, block, filled);
-  EXPECT_EQ(sum, XXH3_64bits(expect_bytes.data(), expect_bytes.size()));
-
   const size_t slot_bytes = slot * sizeof(float);
+  EXPECT_EQ(sum, ReferenceOverSegments(expect_bytes, filled * slot_bytes, slot_bytes));
+
   // Bytes past the filled slots, and other blocks, are not part of the block's checksum.
   kv->k_layer(0)[block * kv->block_bytes() + filled * slot_bytes] ^= 0x40;
   kv->v_layer(2)[(block - 1) * kv->block_bytes()] ^= 0x40;
@@ -69,6 +89,83 @@ TEST(KvLayoutTest, ChecksumIsXxh3OverPromptSlotsOfKThenVPerLayer) {
     EXPECT_NE(BlockChecksum(*kv, block, filled), sum);
     *p ^= 0x01;
   }
+  EXPECT_EQ(BlockChecksum(*kv, block, filled), sum);
+}
+
+// The production CPU checksum against the plain reference the CUDA kernel is also checked
+// against (tests/unit/kernels/cuda_kv_checksum_test.cc), on random pools of every KV type, with
+// slot sizes that are not a multiple of 8 bytes (zero-padded tail words), every fill level and
+// scattered block tables: bit for bit, so GPU and CPU checksums of the same bytes compare equal.
+TEST(KvLayoutTest, ChecksumEqualsTheKernelReferenceOnRandomPools) {
+  int cases = 0;
+  for (kernels::DType t : {kernels::DType::kF32, kernels::DType::kF16, kernels::DType::kI8,
+                           kernels::DType::kFp8E4M3}) {
+    for (int32_t head_dim : {8, 5, 64}) {
+      engine::KvCacheOptions o = Shape(t);
+      o.num_kv_heads = head_dim == 5 ? 3 : 2;
+      o.head_dim = head_dim;
+      o.block_size = 16;
+      o.num_blocks = 7;
+      absl::StatusOr<std::unique_ptr<engine::KvCache>> made = engine::KvCache::Create(o);
+      if (!made.ok()) continue;  // a shape this KV type does not take
+      auto kv = std::move(*made);
+      std::mt19937 rng(static_cast<uint32_t>(head_dim * 31 + static_cast<int>(t)));
+      for (uint8_t& b : kv->memory()) b = static_cast<uint8_t>(rng());
+      std::vector<int32_t> blocks = {6, 0, 3, 5, 1}, slots;
+      for (size_t i = 0; i < blocks.size(); ++i) slots.push_back(static_cast<int32_t>(rng() % 17));
+      slots[0] = 16;
+      slots[1] = 1;
+      std::vector<uint64_t> ref(blocks.size(), 0);
+      kernels::KvChecksumParams p;
+      p.pool = kv->k_layer(0);
+      p.layer_stride = 2 * kv->layer_bytes();
+      p.kv_stride = kv->layer_bytes();
+      p.num_layers = o.num_layers;
+      p.block_bytes = kv->block_bytes();
+      p.slot_bytes = kv->slot_bytes();
+      p.blocks = blocks.data();
+      p.num_slots = slots.data();
+      p.count = static_cast<int32_t>(blocks.size());
+      p.out = ref.data();
+      kernels::KvBlockChecksumsReference(p);
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        EXPECT_EQ(BlockChecksum(*kv, blocks[i], slots[i]), ref[i])
+            << kernels::KvTypeName(t) << " head_dim " << head_dim << " slot_bytes "
+            << kv->slot_bytes() << " block " << blocks[i] << " slots " << slots[i];
+        ++cases;
+      }
+      // Different blocks of random data differ (the sum is not degenerate).
+      EXPECT_NE(ref[0], ref[2]);
+    }
+  }
+  EXPECT_GE(cases, 40);
+}
+
+// Every single-bit flip of a block's covered bytes changes its checksum (a flip changes one
+// word, hence one bijectively mixed term of the sum).
+TEST(KvLayoutTest, EverySingleBitFlipChangesTheChecksum) {
+  engine::KvCacheOptions o = Shape(kernels::DType::kF16);
+  o.num_kv_heads = 3;
+  o.head_dim = 5;  // 30-byte slots: tail words are padded
+  auto kv = PoisonedCache(o, 9);
+  const int32_t block = 2, filled = 3;
+  const uint64_t sum = BlockChecksum(*kv, block, filled);
+  const size_t len = filled * kv->slot_bytes();
+  int flips = 0;
+  for (int32_t l = 0; l < o.num_layers; ++l) {
+    for (uint8_t* seg : {kv->k_layer(l), kv->v_layer(l)}) {
+      uint8_t* p = seg + block * kv->block_bytes();
+      for (size_t i = 0; i < len; ++i) {
+        for (int b = 0; b < 8; ++b) {
+          p[i] ^= uint8_t(1u << b);
+          EXPECT_NE(BlockChecksum(*kv, block, filled), sum) << "layer " << l << " byte " << i;
+          p[i] ^= uint8_t(1u << b);
+          ++flips;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(flips, 2 * o.num_layers * int(len) * 8);
   EXPECT_EQ(BlockChecksum(*kv, block, filled), sum);
 }
 
@@ -157,23 +254,34 @@ class DeviceCapableTransport : public transfer::KvTransport {
 
 // A worker's KV pool stays where its transport can reach it: a GPU pool with a host-only
 // transport is refused at start with what is needed, never staged through host memory.
-TEST(KvPoolTest, GpuWorkerPoolNeedsADeviceMemoryTransport) {
+TEST(KvPoolTest, GpuWorkerPoolNeedsAGpuAndADeviceMemoryTransport) {
   engine::EngineOptions o;
   std::unique_ptr<transfer::KvTransport> host = transfer::CreateInProcessTransport("kv-pool-test");
   EXPECT_TRUE(CheckWorkerKvPlacement(o, host.get()).ok());
   EXPECT_TRUE(CheckWorkerKvPlacement(o, nullptr).ok());
   o.device = engine::Device::kCuda;
-  for (const transfer::KvTransport* t :
-       {host.get(), static_cast<transfer::KvTransport*>(nullptr)}) {
-    const absl::Status st = CheckWorkerKvPlacement(o, t);
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-    EXPECT_NE(st.message().find("device-memory support"), std::string::npos) << st;
-    EXPECT_NE(st.message().find(t == nullptr ? "'none'" : "'inproc'"), std::string::npos) << st;
-  }
   DeviceCapableTransport device;
-  const absl::Status st = CheckWorkerKvPlacement(o, &device);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_NE(st.message().find("checksums"), std::string::npos) << st;
+  if (!engine::CheckDeviceAvailable(engine::Device::kCuda).ok()) {
+    // No GPU (or no CUDA in this build): refused first for that, whatever the transport.
+    for (const transfer::KvTransport* t : {host.get(), static_cast<transfer::KvTransport*>(&device),
+                                           static_cast<transfer::KvTransport*>(nullptr)}) {
+      const absl::Status st = CheckWorkerKvPlacement(o, t);
+      EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+#if defined(TANDEM_HAVE_CUDA)
+      EXPECT_NE(st.message().find("no CUDA device"), std::string::npos) << st;
+#else
+      EXPECT_NE(st.message().find("built without CUDA"), std::string::npos) << st;
+#endif
+    }
+    return;
+  }
+  // With a GPU: a host-only transport cannot carry a device pool; a device-memory one can.
+  const absl::Status st = CheckWorkerKvPlacement(o, host.get());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("'inproc'"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("cuda_ipc"), std::string::npos) << st;
+  EXPECT_TRUE(CheckWorkerKvPlacement(o, &device).ok());
+  EXPECT_TRUE(CheckWorkerKvPlacement(o, nullptr).ok());
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 // workspace. Threading: QuantGemv and the converters are thread-safe; one CublasLtGemm must not
 // be used from two threads at once (its workspace is shared by its calls). Errors: see
 // cuda_common.h; cuBLASLt failures are INTERNAL with the cuBLAS status name.
+// cuBLASLt is loaded with dlopen at the first CublasLtGemm::Create (gemm.cu says why), so no
+// binary depends on it at link time; a missing library is FAILED_PRECONDITION from Create.
 #pragma once
 
 #include <cstddef>
@@ -45,6 +47,9 @@ absl::Status ConvertF32ToBf16(const float* x, uint16_t* out, int64_t n, Stream s
 // out = e4m3(x * inv_scale), saturating to +-448 (the format's largest finite value).
 absl::Status ConvertF32ToFp8E4m3(const float* x, uint8_t* out, int64_t n, float inv_scale,
                                  Stream stream);
+
+// OK when cuBLASLt loads and has every entry point the GEMM calls (loads it on first call).
+absl::Status CublasLtAvailable();
 
 class CublasLtGemm {
  public:
