@@ -641,6 +641,8 @@ def scenario_render(env):
         ({"apiKeys": {"enabled": True, "keys": ["sk-no-tenant"]}}, "apiKeys.keys",
          ["tandem-router", "--api-keys", os.path.join(env.work, "one-key"), "--port", "0"]),
         ({"decode.terminationGracePeriodSeconds": 3}, "terminationGracePeriodSeconds", None),
+        ({"gpu.enabled": True, "gpu.kvTransport": "cuda_ipc", "gpu.hostIPC": False},
+         "gpu.hostIPC", None),
     ]
     for values, field, argv in cases:
         try:
