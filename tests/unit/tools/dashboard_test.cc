@@ -1,6 +1,6 @@
 // deploy/grafana/tandem-dashboard.json: valid JSON shaped like a Grafana dashboard, every
 // PromQL expression names only metrics some service registers (the family name, without the
-// `tandem:` prefix, appears as a string literal in services/), and the metrics the dashboard
+// `tandem_` prefix, appears as a string literal in services/), and the metrics the dashboard
 // exists for are all on it.
 #include <filesystem>
 #include <fstream>
@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 // Family names used in the dashboard's expressions, histogram series suffixes removed.
 std::set<std::string> DashboardFamilies(const nlohmann::json& dash, int* exprs) {
   std::set<std::string> out;
-  const std::regex name(R"(tandem:([A-Za-z_][A-Za-z0-9_]*))");
+  const std::regex name(R"(tandem_([A-Za-z_][A-Za-z0-9_]*))");
   const std::regex suffix(R"(_(bucket|sum|count)$)");
   for (const auto& panel : dash.at("panels")) {
     for (const auto& t : panel.at("targets")) {
@@ -61,7 +61,7 @@ TEST(DashboardTest, ExpressionsReferenceOnlyExportedMetrics) {
   EXPECT_GE(exprs, 15);
   for (const std::string& f : families) {
     EXPECT_NE(sources.find("\"" + f + "\""), std::string::npos)
-        << "the dashboard uses tandem:" << f << ", which no service registers";
+        << "the dashboard uses tandem_" << f << ", which no service registers";
   }
   // What the dashboard is for.
   for (const char* want :
@@ -70,7 +70,7 @@ TEST(DashboardTest, ExpressionsReferenceOnlyExportedMetrics) {
         "num_requests_waiting", "kv_cache_usage_perc", "kvstore_tier_bytes",
         "kv_integrity_failures_total", "ttft_breakdown_seconds", "recommended_replicas",
         "prefix_cache_hits_total", "kv_transfer_seconds", "migrations_total"}) {
-    EXPECT_TRUE(families.count(want)) << "the dashboard has no panel for tandem:" << want;
+    EXPECT_TRUE(families.count(want)) << "the dashboard has no panel for tandem_" << want;
   }
 }
 
