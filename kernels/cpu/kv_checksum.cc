@@ -3,19 +3,6 @@
 #include "tandem/kernels/kv_checksum.h"
 
 namespace tandem::kernels {
-namespace {
-
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xFF51AFD7ED558CCDull;
-  x ^= x >> 33;
-  x *= 0xC4CEB9FE1A85EC53ull;
-  x ^= x >> 33;
-  return x;
-}
-
-}  // namespace
-
 void KvBlockChecksumsReference(const KvChecksumParams& p) {
   for (int32_t i = 0; i < p.count; ++i) {
     const uint64_t len = uint64_t(p.num_slots[i]) * p.slot_bytes;
@@ -30,11 +17,11 @@ void KvBlockChecksumsReference(const KvChecksumParams& p) {
           w |= uint64_t(seg[8 * j + b]) << (8 * b);
         }
         const uint64_t g = s * words_per_segment + j;
-        sum += Mix(w ^ (g * kKvChecksumKeyMul));
+        sum += KvChecksumMix(w ^ (g * kKvChecksumKeyMul));
       }
     }
     const uint64_t total = 2 * uint64_t(p.num_layers) * len;
-    p.out[i] = Mix(sum ^ (total * kKvChecksumLenMul));
+    p.out[i] = KvChecksumMix(sum ^ (total * kKvChecksumLenMul));
   }
 }
 

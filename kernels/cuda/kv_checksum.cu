@@ -7,15 +7,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xFF51AFD7ED558CCDull;
-  x ^= x >> 33;
-  x *= 0xC4CEB9FE1A85EC53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 __device__ __forceinline__ uint64_t LoadWord(const uint8_t* seg, uint64_t j, uint64_t len,
                                              bool aligned) {
   if (aligned && 8 * j + 8 <= len) return *reinterpret_cast<const uint64_t*>(seg + 8 * j);
@@ -35,7 +26,8 @@ __global__ void KvChecksumKernel(KvChecksumParams p) {
                          uint64_t(p.blocks[i]) * p.block_bytes;
     const bool aligned = (reinterpret_cast<uintptr_t>(seg) & 7) == 0;
     for (uint64_t j = threadIdx.x; j < words; j += blockDim.x) {
-      sum += Mix(LoadWord(seg, j, len, aligned) ^ ((s * words + j) * kKvChecksumKeyMul));
+      sum += KvChecksumMix(LoadWord(seg, j, len, aligned) ^
+                           ((s * words + j) * kKvChecksumKeyMul));
     }
   }
 #pragma unroll
@@ -47,7 +39,7 @@ __global__ void KvChecksumKernel(KvChecksumParams p) {
   if (threadIdx.x == 0) {
     uint64_t total_sum = 0;
     for (int w = 0; w < kThreads / 32; ++w) total_sum += warp_sums[w];
-    p.out[i] = Mix(total_sum ^ ((segs * len) * kKvChecksumLenMul));
+    p.out[i] = KvChecksumMix(total_sum ^ ((segs * len) * kKvChecksumLenMul));
   }
 }
 

@@ -63,15 +63,6 @@ int64_t BlocksFor(int64_t num_tokens, int32_t block_size) {
 
 namespace {
 
-inline uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xFF51AFD7ED558CCDull;
-  x ^= x >> 33;
-  x *= 0xC4CEB9FE1A85EC53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 // One segment's share of the keyed sum (tandem/kernels/kv_checksum.h), its first word being word
 // `g` of the block's stream: whole words loaded unaligned, four independent sums so the
 // multiplies overlap, the key advanced by addition (g * M + M == (g + 1) * M).
@@ -84,20 +75,20 @@ uint64_t SegmentSum(const uint8_t* p, uint64_t len, uint64_t g) {
   for (; j + 4 <= words; j += 4, key += 4 * M) {
     uint64_t w[4];
     std::memcpy(w, p + 8 * j, sizeof(w));
-    a += Mix(w[0] ^ key);
-    b += Mix(w[1] ^ (key + M));
-    c += Mix(w[2] ^ (key + 2 * M));
-    d += Mix(w[3] ^ (key + 3 * M));
+    a += kernels::KvChecksumMix(w[0] ^ key);
+    b += kernels::KvChecksumMix(w[1] ^ (key + M));
+    c += kernels::KvChecksumMix(w[2] ^ (key + 2 * M));
+    d += kernels::KvChecksumMix(w[3] ^ (key + 3 * M));
   }
   for (; j < words; ++j, key += M) {
     uint64_t w;
     std::memcpy(&w, p + 8 * j, sizeof(w));
-    a += Mix(w ^ key);
+    a += kernels::KvChecksumMix(w ^ key);
   }
   if (const uint64_t tail = len % 8; tail != 0) {
     uint64_t w = 0;  // little-endian, zero-padded (x86-64 and aarch64 are little-endian)
     std::memcpy(&w, p + 8 * words, tail);
-    a += Mix(w ^ key);
+    a += kernels::KvChecksumMix(w ^ key);
   }
   return a + b + c + d;
 }
@@ -114,11 +105,12 @@ uint64_t RawBlockChecksum(const KvBufferLayout& b, int32_t block, int32_t num_sl
     sum += SegmentSum(k, len, 2 * l * w);
     sum += SegmentSum(k + b.kv_stride, len, (2 * l + 1) * w);
   }
-  return Mix(sum ^ ((2 * uint64_t(b.num_layers) * len) * kernels::kKvChecksumLenMul));
+  return kernels::KvChecksumMix(sum ^
+                                ((2 * uint64_t(b.num_layers) * len) * kernels::kKvChecksumLenMul));
 }
 
 uint64_t KvBytesChecksum(const uint8_t* p, uint64_t n) {
-  return Mix(SegmentSum(p, n, 0) ^ (n * kernels::kKvChecksumLenMul));
+  return kernels::KvChecksumMix(SegmentSum(p, n, 0) ^ (n * kernels::kKvChecksumLenMul));
 }
 
 uint64_t BlockChecksum(const engine::KvCache& kv, int32_t block, int32_t num_slots) {

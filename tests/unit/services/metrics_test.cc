@@ -22,7 +22,7 @@ TEST(MetricsTest, ContractNamesAreLegalForPrometheusCpp) {
   // The contract prefix is tandem_: Prometheus reserves colons for recording rules. A colon is
   // never legal in a label name.
   EXPECT_TRUE(prometheus::CheckMetricName("tandem_time_to_first_token_seconds"));
-  EXPECT_FALSE(prometheus::CheckLabelName("tandem:role"));
+  EXPECT_FALSE(prometheus::CheckLabelName("model:role"));
 }
 
 TEST(MetricsTest, FamiliesAppearOnlyWithSeries) {

@@ -29,6 +29,22 @@ namespace tandem::kernels {
 inline constexpr uint64_t kKvChecksumKeyMul = 0x9E3779B97F4A7C15ull;
 inline constexpr uint64_t kKvChecksumLenMul = 0xC2B2AE3D27D4EB4Full;
 
+#if defined(__CUDACC__)
+#define TANDEM_KV_CHECKSUM_FN __host__ __device__ __forceinline__
+#else
+#define TANDEM_KV_CHECKSUM_FN inline
+#endif
+// The mixing bijection (murmur3's 64-bit finaliser), one definition for all three versions.
+TANDEM_KV_CHECKSUM_FN constexpr uint64_t KvChecksumMix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  x *= 0xC4CEB9FE1A85EC53ull;
+  x ^= x >> 33;
+  return x;
+}
+#undef TANDEM_KV_CHECKSUM_FN
+
 // Where a pool's blocks are: layer l's K region starts at pool + l * layer_stride, its V region
 // kv_stride after that, and block b of a region at b * block_bytes from the region's start.
 struct KvChecksumParams {
