@@ -130,6 +130,17 @@ def generate(h, env, prompts, max_tokens, name, ignore_eos=False, progress=None,
         return json.load(f)
 
 
+def check_streams(results, refs, what):
+    """Every result succeeded with exactly its reference's tokens and text."""
+    bad = [g for g in results if g["code"] != 0 or g["tokens"] != refs[g["prompt"]]["tokens"]
+           or g["text"] != refs[g["prompt"]]["text"]]
+    check(not bad and results, f"{what} ({len(results) - len(bad)}/{len(results)})")
+    for g in bad:
+        print(f"  {g['prompt']!r}: code {g['code']} {g['message']!r}, {len(g['tokens'])} tokens, "
+              f"decode {g['decode_workers']}\n    got  {g['text'][:200]!r}\n"
+              f"    want {refs[g['prompt']]['text'][:200]!r}")
+
+
 def workers(h, router_pod=None):
     """Registry.ListWorkers of one router pod (default: each, merged by worker id)."""
     pods = [router_pod] if router_pod else h.pods_of("router")
@@ -212,14 +223,8 @@ def scenario_serve(env):
 
         refs = {p: env.reference(p, 24) for p in PROMPTS}
         got = generate(h, env, PROMPTS, 24, "serve-grpc")
-        same = sum(1 for g in got if g["code"] == 0 and g["text"] == refs[g["prompt"]]["text"]
-                   and g["tokens"] == refs[g["prompt"]]["tokens"])
-        check(same == len(PROMPTS), f"gRPC through the router Service: {same}/{len(PROMPTS)} "
-              "greedy completions equal `tandem generate`")
-        for g in got:
-            if g["code"] != 0 or g["text"] != refs[g["prompt"]]["text"]:
-                print(f"  {g['prompt']!r}: code {g['code']} {g['message']!r}\n"
-                      f"    got  {g['text']!r}\n    want {refs[g['prompt']]['text']!r}")
+        check_streams(got, refs, "gRPC through the router Service: greedy completions equal "
+                      "`tandem generate`")
         routers_used = set()
         for r in pods["router"]:
             m = h.metrics(r, 9090)
@@ -409,13 +414,8 @@ def scenario_faults(env):
         refs = {p: env.reference(p, tokens, ignore_eos=True, ctx=ctx) for p in prompts}
 
         def streams_check(res, what):
-            same = sum(1 for g in res if g["code"] == 0 and g["tokens"] == refs[g["prompt"]]["tokens"])
-            check(same == len(res), f"{what}: {same}/{len(res)} streams complete with exactly "
-                  "the reference tokens (none lost or repeated)")
-            for g in res:
-                if g["code"] != 0 or g["tokens"] != refs[g["prompt"]]["tokens"]:
-                    print(f"  {g['prompt']!r}: code {g['code']} {g['message']!r} "
-                          f"{len(g['tokens'])} tokens, decode {g['decode_workers']}")
+            check_streams(res, refs, f"{what}: streams complete with exactly the reference "
+                          "tokens (none lost or repeated)")
 
         # 1. A decode pod SIGKILLed mid-stream.
         prog_path = os.path.join(env.work, "kill-decode.progress")
@@ -591,12 +591,8 @@ def scenario_variants(env):
               f"(codes {sorted({g['code'] for g in got})})")
         h.tool_flags.append("--api-key=sk-deploy-1")
         got = generate(h, env, prompts, 16, "variants-key")
-        same = sum(1 for g in got if g["code"] == 0 and g["tokens"] == refs[g["prompt"]]["tokens"])
-        check(same == len(prompts), f"over mTLS with an API key: {same}/{len(prompts)} greedy "
-              "completions equal `tandem generate --kv-type f16`")
-        for g in got:
-            if g["code"] != 0:
-                print(f"  {g['prompt']!r}: code {g['code']} {g['message']!r}")
+        check_streams(got, refs, "over mTLS with an API key: greedy completions equal "
+                      "`tandem generate --kv-type f16`")
         plain = h.client([h.tool_path(), "workers", "--router",
                           f"{h.pods_of('router')[0].ip}:50051"], check=False)
         check(plain.returncode != 0, "a plaintext client is refused")
