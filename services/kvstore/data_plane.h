@@ -4,7 +4,7 @@
 // Read: the store copies each requested block out of its tier (a hit promotes it, as Get does),
 // writes its segments into the requester's registered region at the offsets its layout gives,
 // waits until the transport says they are visible there, and answers with each block's tier and
-// xxh3-64 checksum. The requester checks those checksums over its own copy.
+// checksum (tandem/kernels/kv_checksum.h). The requester checks those checksums over its own copy.
 // Stage/Commit: the store owns one registered staging region cut into equal slots (the largest
 // block the store accepts). Stage hands out slots under a lease; the publisher writes blocks into
 // them with its transport; Commit checksums every staged block and stores only those that match

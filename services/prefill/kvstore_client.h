@@ -42,7 +42,8 @@ struct KvStoreClientOptions {
 };
 
 // Full blocks to publish: `bytes` holds them back to back, each `block_bytes` long in segment
-// order (layer 0 K, layer 0 V, ...), with their chained hashes and xxh3-64 checksums.
+// order (layer 0 K, layer 0 V, ...), with their chained hashes and KV block checksums
+// (tandem/kernels/kv_checksum.h).
 struct PublishBatch {
   std::vector<uint64_t> hashes;
   std::vector<uint64_t> checksums;

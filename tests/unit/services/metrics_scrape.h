@@ -120,19 +120,4 @@ inline PromtoolResult PromtoolCheckMetrics(const std::string& text) {
   return r;
 }
 
-// promtool's lint output minus the one finding the metric-name contract causes on purpose:
-// DESIGN.md's `tandem:` prefix has a colon, which promtool's linter reserves for recording
-// rules. Whatever remains is a real problem.
-inline std::vector<std::string> UnexpectedPromtoolFindings(const PromtoolResult& r) {
-  std::vector<std::string> out;
-  std::istringstream in(r.output);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    if (line.find("should not contain ':'") != std::string::npos) continue;
-    out.push_back(line);
-  }
-  return out;
-}
-
 }  // namespace tandem::testing
