@@ -88,8 +88,7 @@ class Env:
 
     def harness(self, name):
         return pod_harness.PodHarness(
-            repo=self.repo, bin_dir=self.bin, run_dir=os.path.join(self.work, name),
-            helm=self.helm, chart=self.chart,
+            bin_dir=self.bin, run_dir=os.path.join(self.work, name),
             # What deploy/docker/Dockerfile copies into the image besides the binaries.
             image_files={"/usr/share/tandem/vocab": os.path.join(self.repo, ".cache", "vocab")})
 

@@ -114,12 +114,6 @@ def _selects(selector, labels):
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-class Container:
-    def __init__(self, spec):
-        self.spec = spec
-        self.name = spec["name"]
-
-
 class Pod:
     def __init__(self, harness, owner, name, ordinal, template):
         self.h = harness
@@ -138,7 +132,6 @@ class Pod:
         self.phase = "Pending"  # Pending, Running, Terminating, Gone
         self.started = False  # startup probe passed (or none)
         self.ready = False
-        self.live_failures = 0
         self.ready_at = None
         self.started_at = None
         self.terminating_since = None
@@ -179,14 +172,10 @@ class PodHarness:
     """One rendered release run as pods. Not thread-safe for callers: drive it from one thread
     (its own controller thread only reads what the caller's calls set up)."""
 
-    def __init__(self, *, repo, bin_dir, run_dir, helm, chart, release="tandem",
-                 namespace="serving", image_files=None, claims=None, extra_path=()):
-        self.repo = repo
+    def __init__(self, *, bin_dir, run_dir, namespace="serving", image_files=None, claims=None,
+                 extra_path=()):
         self.bin_dir = bin_dir
         self.run_dir = run_dir
-        self.helm = helm
-        self.chart = chart
-        self.release = release
         self.namespace = namespace
         self.image_files = dict(image_files or {})
         self.claims = dict(claims or {})
@@ -210,7 +199,6 @@ class PodHarness:
         self.loop_thread = None
         self.client_ns = None
         self.client_ip = None
-        self.hosts_files = []
         # Appended to every deploy_tool call that dials gRPC (TLS flags when the release uses TLS).
         self.tool_flags = []
         os.makedirs(run_dir, exist_ok=True)
