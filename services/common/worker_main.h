@@ -77,6 +77,9 @@ struct WorkerFlagSpec {
   std::string max_seqs_help;
   std::string max_batch_tokens_help = "tokens per engine step";
   std::string grace_help;
+  // Registers the fault-injection suite's hidden --test-fault-flip-bit-every. Only the test twin
+  // binaries (tests/fault/CMakeLists.txt) set it; the product binaries never take the flag.
+  bool test_hooks = false;
 };
 
 // Registers the shared flags on `app`, writing into `flags` when it parses.

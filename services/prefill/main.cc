@@ -41,6 +41,9 @@ int Main(int argc, char** argv) {
   spec.max_seqs_help = "sizes the local KV pool when --kv-blocks is 0";
   spec.max_batch_tokens_help = "tokens per engine step (longer prompts are prefilled in chunks)";
   spec.grace_help = "on SIGTERM, how long in-flight prefills may finish";
+#if TANDEM_PREFILL_TEST_HOOKS
+  spec.test_hooks = true;
+#endif
   services::WorkerFlags flags;
   services::AddWorkerFlags(app, &flags, spec);
   int max_transfer_ms = 120000, step_delay_ms = 0;
@@ -64,11 +67,14 @@ int Main(int argc, char** argv) {
   app.add_option("--max-transfer-ms", max_transfer_ms,
                  "bound on a KV transfer when the Prefill call has no deadline")
       ->check(CLI::PositiveNumber);
-  // Hidden (no group): a test twin hook that makes every prefill slow, so tests can act on a
-  // request while its prefill runs.
+#if TANDEM_PREFILL_TEST_HOOKS
+  // The test twin tandem-prefill-test-hooks (tests/fault): hidden hooks that make every prefill
+  // slow, so tests can act on a request while its prefill runs, and corrupt KV writes. The
+  // product binary is built without them.
   app.add_option("--test-step-delay-ms", step_delay_ms, "sleep before every engine step")
       ->check(CLI::NonNegativeNumber)
       ->group("");
+#endif
   CLI11_PARSE(app, argc, argv);
 
   if (absl::Status st = services::PrepareWorkerProcess(spec, &flags); !st.ok()) {

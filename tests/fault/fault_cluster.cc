@@ -322,7 +322,12 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
       auto w = std::make_unique<Proc>();
       w->name = absl::StrCat(role, "-", i);
       w->role = role;
-      w->binary = role == "prefill" ? "tandem-prefill" : "tandem-decode";
+      // A prefill given a test hook runs the test twin (tests/fault/CMakeLists.txt).
+      const bool hooks = std::any_of(o_.prefill_args.begin(), o_.prefill_args.end(),
+                                     [](const std::string& a) { return a.rfind("--test-", 0) == 0; });
+      w->binary = role == "decode"  ? "tandem-decode"
+                  : hooks ? "tandem-prefill-test-hooks"
+                          : "tandem-prefill";
       w->port_file = (dir_ / (w->name + ".port")).string();
       w->args = WorkerArgs(role, w->name);
       procs_.push_back(std::move(w));

@@ -62,6 +62,24 @@ TEST_F(WorkerBinariesTest, HelpExitsZero) {
   EXPECT_NE(bad.Log().find("nonexistent"), std::string::npos) << bad.Log();
 }
 
+// Test hooks live in the test twin only: the product binaries refuse them at parse time.
+TEST_F(WorkerBinariesTest, ProductBinariesTakeNoTestHooks) {
+  for (const auto& [bin, flag] : std::vector<std::pair<std::string, std::string>>{
+           {"tandem-prefill", "--test-step-delay-ms"},
+           {"tandem-prefill", "--test-fault-flip-bit-every"},
+           {"tandem-decode", "--test-fault-flip-bit-every"}}) {
+    ChildProcess p(bin, {flag, "1", "--model", "/nonexistent.gguf"}, Path(bin + "-hook.log"));
+    EXPECT_NE(p.Wait(absl::Seconds(20)), 0) << bin << " took " << flag;
+    EXPECT_NE(p.Log().find(flag), std::string::npos) << p.Log();
+    EXPECT_EQ(p.Log().find("nonexistent"), std::string::npos) << "refused only at model load";
+  }
+  ChildProcess twin("tandem-prefill-test-hooks",
+                    {"--test-step-delay-ms", "1", "--model", "/nonexistent.gguf"},
+                    Path("twin.log"));
+  EXPECT_EQ(twin.Wait(absl::Seconds(20)), 1);
+  EXPECT_NE(twin.Log().find("nonexistent"), std::string::npos) << twin.Log();
+}
+
 TEST_F(WorkerBinariesTest, ServeRegisterAndExitCleanlyOnSigterm) {
   FakeRegistry registry(/*lease_ms=*/600);
   services::GrpcServerOptions so;
@@ -271,7 +289,7 @@ TEST_F(WorkerBinariesTest, CancelDuringPrefillReturnsBothPoolsToBaseline) {
     pflags.push_back(f);
   }
   ChildProcess d("tandem-decode", dflags, Path("d3.log"));
-  ChildProcess p("tandem-prefill", pflags, Path("p3.log"));
+  ChildProcess p("tandem-prefill-test-hooks", pflags, Path("p3.log"));
   const int dport = WaitForPortFile(Path("d3.port"));
   const int pport = WaitForPortFile(Path("p3.port"));
   ASSERT_GT(dport, 0) << d.Log();
