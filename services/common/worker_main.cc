@@ -64,13 +64,6 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
                  "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
       ->check(CLI::Range(0, 65535));
   AddTlsFlags(app, &f->tls);
-  if (spec.test_hooks) {
-    // Hidden (no group): the fault-injection suite's hook, in its test twin binaries only.
-    app.add_option("--test-fault-flip-bit-every", f->test_fault_flip_bit_every,
-                   "corrupt one bit of every Nth KV write sent (tests only)")
-        ->check(CLI::NonNegativeNumber)
-        ->group("");
-  }
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {

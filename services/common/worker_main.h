@@ -60,7 +60,8 @@ struct WorkerFlags {
   std::string cpus;
   int metrics_port = 0;  // 0: no /metrics endpoint
   TlsOptions tls;        // --tls-*: every gRPC server and client of the process (tls.h)
-  // Hidden, test-only (tests/fault): corrupt one bit of every Nth KV write this worker sends
+  // Set only by the test twin tandem-prefill-test-hooks (tests/fault/prefill_test_hooks.h):
+  // corrupt one bit of every Nth KV write this worker sends
   // (common/transfer/fault_injection.h). 0: off.
   int test_fault_flip_bit_every = 0;
 };
@@ -77,9 +78,6 @@ struct WorkerFlagSpec {
   std::string max_seqs_help;
   std::string max_batch_tokens_help = "tokens per engine step";
   std::string grace_help;
-  // Registers the fault-injection suite's hidden --test-fault-flip-bit-every. Only the test twin
-  // binaries (tests/fault/CMakeLists.txt) set it; the product binaries never take the flag.
-  bool test_hooks = false;
 };
 
 // Registers the shared flags on `app`, writing into `flags` when it parses.

@@ -18,6 +18,9 @@
 #include "services/common/transport_metrics.h"
 #include "services/common/worker_main.h"
 #include "services/prefill/prefill_service.h"
+#if TANDEM_PREFILL_TEST_HOOKS
+#include "tests/fault/prefill_test_hooks.h"
+#endif
 
 namespace tandem {
 namespace {
@@ -41,9 +44,6 @@ int Main(int argc, char** argv) {
   spec.max_seqs_help = "sizes the local KV pool when --kv-blocks is 0";
   spec.max_batch_tokens_help = "tokens per engine step (longer prompts are prefilled in chunks)";
   spec.grace_help = "on SIGTERM, how long in-flight prefills may finish";
-#if TANDEM_PREFILL_TEST_HOOKS
-  spec.test_hooks = true;
-#endif
   services::WorkerFlags flags;
   services::AddWorkerFlags(app, &flags, spec);
   int max_transfer_ms = 120000, step_delay_ms = 0;
@@ -68,12 +68,7 @@ int Main(int argc, char** argv) {
                  "bound on a KV transfer when the Prefill call has no deadline")
       ->check(CLI::PositiveNumber);
 #if TANDEM_PREFILL_TEST_HOOKS
-  // The test twin tandem-prefill-test-hooks (tests/fault): hidden hooks that make every prefill
-  // slow, so tests can act on a request while its prefill runs, and corrupt KV writes. The
-  // product binary is built without them.
-  app.add_option("--test-step-delay-ms", step_delay_ms, "sleep before every engine step")
-      ->check(CLI::NonNegativeNumber)
-      ->group("");
+  testing::AddPrefillTestHooks(app, &step_delay_ms, &flags.test_fault_flip_bit_every);
 #endif
   CLI11_PARSE(app, argc, argv);
 
