@@ -18,7 +18,7 @@ absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
   return absl::FailedPreconditionError(absl::StrCat(
       "--device ", engine::DeviceName(options.device),
       " keeps the KV pool in GPU memory, which the KV transport '", transport->capabilities().name,
-      "' cannot register or read; use --transport cuda_ipc (GPUs of one node), or a UCX built "
+      "' cannot register or read; use --transport cuda_ipc (GPUs of one node), nccl (any nodes), or a UCX built "
       "with CUDA (its cuda_copy/cuda_ipc transports, which Debian's libucx lacks)"));
 }
 

@@ -48,7 +48,8 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
       ->check(CLI::IsMember({"f32", "f16", "int8", "fp8"}));
   app.add_option("--device", f->device,
                  "cpu, or cuda: weights and KV pool on the GPU; the pool is then registered with "
-                 "a transport that holds device memory: cuda_ipc on one node (docs/gpu.md)")
+                 "a transport that holds device memory: cuda_ipc on one node, nccl across "
+                 "nodes (docs/gpu.md)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--ctx-size", f->ctx_size, "positions per sequence (0: min(model, 4096))")
       ->check(CLI::NonNegativeNumber);
@@ -104,13 +105,26 @@ engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {
   return eo;
 }
 
-absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(const WorkerFlags& f) {
+absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(
+    const WorkerFlags& f, KvJoinHandler* join_handler) {
   if (f.transport == "none") return std::unique_ptr<transfer::KvTransport>();
   TransportChoice tc;
   tc.kind = f.transport;
   tc.name = f.worker_id;
   tc.ucx_tls = f.ucx_tls;
-  absl::StatusOr<std::unique_ptr<transfer::KvTransport>> t = CreateTransport(tc);
+  if (f.transport == "nccl") {
+    // NCCL sends and receives device memory only: a host pool would fail at the first write.
+    if (f.device != "cuda") {
+      return absl::FailedPreconditionError(
+          "--transport nccl moves KV between GPU pools: it needs --device cuda");
+    }
+    if (f.port != 0) {
+      tc.control_address = JoinHostPort(
+          f.advertise_host.empty() ? AdvertisedHost(f.host) : f.advertise_host, f.port);
+    }
+    tc.nccl_join = GrpcNcclJoin();
+  }
+  absl::StatusOr<std::unique_ptr<transfer::KvTransport>> t = CreateTransport(tc, join_handler);
   if (!t.ok() || f.test_fault_flip_bit_every <= 0) return t;
   std::fprintf(stderr,
                "%s: TEST FAULT INJECTION: one bit of every %d-th KV write is corrupted\n",

@@ -25,6 +25,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "services/common/metrics.h"
+#include "services/common/nccl_join.h"
 #include "services/common/tls.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -95,8 +96,11 @@ absl::Status CheckWorkerDevice(const WorkerFlags& flags);
 // The engine options the shared flags describe.
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
 
-// The KV transport --transport and --ucx-tls name; null for "none".
-absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(const WorkerFlags& flags);
+// The KV transport --transport and --ucx-tls name; null for "none". For nccl the worker's
+// descriptors name its advertised --host/--port (a decode worker needs a fixed --port), and
+// `join_handler` (when given) gets what its JoinKvGroup RPC must call.
+absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(
+    const WorkerFlags& flags, KvJoinHandler* join_handler = nullptr);
 
 struct ServeOptions {
   std::string binary;      // "tandem-decode": prefixes every line printed

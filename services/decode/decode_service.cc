@@ -77,6 +77,14 @@ grpc::Status DecodeService::Cancel(grpc::ServerContext* ctx, const v1::CancelReq
   return grpc::Status::OK;
 }
 
+grpc::Status DecodeService::JoinKvGroup(grpc::ServerContext* ctx,
+                                        const v1::JoinKvGroupRequest* req,
+                                        v1::JoinKvGroupResponse* resp) {
+  // Returns once this worker's rank is joining in the background: no gRPC thread waits on
+  // NCCL.
+  return services::HandleJoinKvGroup(join_handler_, ctx, *req, resp);
+}
+
 grpc::Status DecodeService::Stats(grpc::ServerContext* ctx, const v1::WorkerStatsRequest* req,
                                   v1::WorkerStats* resp) {
   *resp = worker_->Stats();

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "absl/time/time.h"
+#include "services/common/nccl_join.h"
 #include "services/decode/decode_worker.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
@@ -29,9 +30,16 @@ class DecodeService final : public v1::DecodeWorker::Service {
                       v1::CancelResponse* resp) override;
   grpc::Status Stats(grpc::ServerContext* ctx, const v1::WorkerStatsRequest* req,
                      v1::WorkerStats* resp) override;
+  // --transport nccl: answered by the transport's join handler; UNIMPLEMENTED without one.
+  grpc::Status JoinKvGroup(grpc::ServerContext* ctx, const v1::JoinKvGroupRequest* req,
+                           v1::JoinKvGroupResponse* resp) override;
+
+  // Before serving: what JoinKvGroup calls (from TransportFromFlags).
+  void set_kv_join_handler(services::KvJoinHandler h) { join_handler_ = std::move(h); }
 
  private:
   DecodeWorker* worker_;
+  services::KvJoinHandler join_handler_;
   // How often a waiting stream checks whether its client went away: gRPC's sync API has no
   // cancellation callback.
   absl::Duration cancel_poll_;

@@ -34,10 +34,10 @@ int Main(int argc, char** argv) {
   services::WorkerFlagSpec spec;
   spec.role = "decode";
   spec.default_max_seqs = 8;
-  spec.transports = {"ucx", "cuda_ipc", "inproc", "none"};
+  spec.transports = {"ucx", "cuda_ipc", "nccl", "inproc", "none"};
   spec.transport_help =
-      "KV transport: ucx, cuda_ipc (GPU pool, prefill on the same node), inproc (same process "
-      "only), none";
+      "KV transport: ucx, cuda_ipc (GPU pool, prefill on the same node), nccl (GPU pool, "
+      "prefill on any node; needs a fixed --port), inproc (same process only), none";
   spec.kv_blocks_help = "KV pool blocks (0: max-seqs full contexts)";
   spec.max_seqs_help = "sequences decoding at once";
   spec.grace_help = "on SIGTERM, how long in-flight streams may finish";
@@ -68,8 +68,15 @@ int Main(int argc, char** argv) {
     return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
                                 model.status());
   }
+  if (flags.transport == "nccl" && flags.port == 0) {
+    return services::FailWorker(
+        kBinary, "--transport nccl",
+        absl::InvalidArgumentError("needs a fixed --port: the KV descriptors it hands out name "
+                                   "this worker's gRPC address, where prefills join"));
+  }
+  services::KvJoinHandler kv_join;
   absl::StatusOr<std::unique_ptr<transfer::KvTransport>> kv_transport =
-      services::TransportFromFlags(flags);
+      services::TransportFromFlags(flags, &kv_join);
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
 
@@ -91,6 +98,7 @@ int Main(int argc, char** argv) {
     return services::FailWorker(kBinary, "starting the decode worker", worker.status());
 
   decode::DecodeService service(worker->get());
+  service.set_kv_join_handler(std::move(kv_join));
   services::ServeOptions so;
   so.binary = kBinary;
   so.role_label = role;

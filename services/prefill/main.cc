@@ -34,10 +34,10 @@ int Main(int argc, char** argv) {
   services::WorkerFlagSpec spec;
   spec.role = "prefill";
   spec.default_max_seqs = 4;
-  spec.transports = {"ucx", "cuda_ipc", "inproc"};
+  spec.transports = {"ucx", "cuda_ipc", "nccl", "inproc"};
   spec.transport_help =
-      "KV transport to decode: ucx, cuda_ipc (GPU pool, decode on the same node), or inproc "
-      "(same process only)";
+      "KV transport to decode: ucx, cuda_ipc (GPU pool, decode on the same node), nccl (GPU "
+      "pool, decode on any node), or inproc (same process only)";
   spec.kv_blocks_help = "local KV blocks (0: max-seqs full contexts)";
   spec.block_size_help = "tokens per KV block (must match decode)";
   spec.kv_type_help = "KV cache element type (must match decode)";
@@ -55,7 +55,8 @@ int Main(int argc, char** argv) {
   std::string kvstore_transport;
   app.add_option("--kvstore-transport", kvstore_transport,
                  "KV transport to the kvstore, which serves host memory: ucx or inproc "
-                 "(default: --transport; ucx with --ucx-tls when --transport is cuda_ipc)")
+                 "(default: --transport; ucx with --ucx-tls when --transport is cuda_ipc or "
+                 "nccl)")
       ->check(CLI::IsMember({"ucx", "inproc"}));
   app.add_option("--kvstore-lookup-ms", kvstore_lookup_ms, "deadline of a kvstore Lookup")
       ->check(CLI::PositiveNumber);
@@ -89,7 +90,9 @@ int Main(int argc, char** argv) {
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
   // The kvstore's transport, when it differs from decode's (a GPU pool's cuda_ipc cannot reach
   // the store's host memory).
-  if (kvstore_transport.empty() && flags.transport == "cuda_ipc") kvstore_transport = "ucx";
+  if (kvstore_transport.empty() && (flags.transport == "cuda_ipc" || flags.transport == "nccl")) {
+    kvstore_transport = "ucx";
+  }
   std::unique_ptr<transfer::KvTransport> store_transport;
   if (!kvstore.empty() && !kvstore_transport.empty() && kvstore_transport != flags.transport) {
     services::WorkerFlags sf = flags;

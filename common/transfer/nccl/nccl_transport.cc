@@ -52,6 +52,21 @@ absl::Status FromNcclResult(ncclResult_t r, const char* what) {
     if (!_s.ok()) return _s;                                                        \
   } while (0)
 
+// A call on a non-blocking communicator may answer ncclInProgress; wait until it is enqueued.
+// NCCL documents polling ncclCommGetAsyncError for this.
+absl::Status NcclWait(ncclComm_t comm, ncclResult_t r, const char* what) {
+  while (r == ncclInProgress) {
+    std::this_thread::yield();
+    ncclCommGetAsyncError(comm, &r);
+  }
+  return FromNcclResult(r, what);
+}
+#define NCCL_COMM_OR_RETURN(expr)                                                   \
+  do {                                                                              \
+    absl::Status _s = NcclWait(comm_, (expr), #expr);                               \
+    if (!_s.ok()) return _s;                                                        \
+  } while (0)
+
 #define TANDEM_NCCL_RETURN_IF_ERROR(expr) \
   do {                                    \
     absl::Status _st = (expr);            \
@@ -89,19 +104,43 @@ class NcclTransportImpl final : public NcclTransport {
     thread_.join();
   }
 
-  absl::Status Init(int rank, int nranks, const std::string& unique_id) override {
+  absl::Status Init(int rank, int nranks, const std::string& unique_id,
+                    Clock::time_point deadline) override {
     if (unique_id.size() != NCCL_UNIQUE_ID_BYTES || rank < 0 || rank >= nranks) {
       return absl::InvalidArgumentError("NCCL Init: bad rank, nranks or unique id");
     }
     return RunAndWait([&]() -> absl::Status {
-      if (comm_ != nullptr) return absl::FailedPreconditionError("NCCL transport already joined");
+      if (comm_ != nullptr || broken_) {
+        return absl::FailedPreconditionError("NCCL transport already joined");
+      }
       ncclUniqueId id;
       std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
-      NCCL_OR_RETURN(ncclCommInitRank(&comm_, nranks, id, rank));
+      // Non-blocking, so that a rank that never joins costs an abort at the deadline rather
+      // than a thread stuck in ncclCommInitRank. Every later call on the communicator may then
+      // answer ncclInProgress; NcclWait finishes those.
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      ncclResult_t r = ncclCommInitRankConfig(&comm_, nranks, id, rank, &config);
+      while (r == ncclInProgress && comm_ != nullptr) {
+        if (Clock::now() >= deadline) {
+          ncclCommAbort(comm_);
+          comm_ = nullptr;
+          broken_ = true;
+          return absl::DeadlineExceededError(
+              "NCCL Init: not every rank joined the communicator by the deadline");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ncclCommGetAsyncError(comm_, &r);
+      }
+      if (r != ncclSuccess) {
+        if (comm_ != nullptr) ncclCommAbort(comm_);
+        comm_ = nullptr;
+        broken_ = true;
+        return FromNcclResult(r, "ncclCommInitRankConfig");
+      }
       rank_ = rank;
-      uint64_t h = 1469598103934665603ull;
-      for (unsigned char c : unique_id) h = (h ^ c) * 1099511628211ull;
-      address_prefix_ = absl::StrCat("nccl:", h, ":");
+      address_prefix_ = AddressOfRank(unique_id, rank);
+      address_prefix_.resize(address_prefix_.rfind(':') + 1);
       CUDA_OR_RETURN(cudaStreamCreateWithFlags(&send_stream_, cudaStreamNonBlocking));
       rx_.resize(nranks);
       for (int p = 0; p < nranks; ++p) {
@@ -128,10 +167,11 @@ class NcclTransportImpl final : public NcclTransport {
     if (base == nullptr || length == 0) return absl::InvalidArgumentError("empty region");
     RegionDescriptor d;
     absl::Status s = RunAndWait([&]() -> absl::Status {
-      if (comm_ == nullptr) return absl::FailedPreconditionError("NCCL transport not joined");
+      if (broken_) return absl::UnavailableError("NCCL communicator was aborted");
       uint64_t id = next_region_++;
       regions_[id] = {static_cast<uint8_t*>(base), length};
-      d.peer_address = absl::StrCat(address_prefix_, rank_);
+      // Before Init the address is unknown (AddressOfRank gives it).
+      if (rank_ >= 0) d.peer_address = absl::StrCat(address_prefix_, rank_);
       d.region_id = id;
       d.base = reinterpret_cast<uintptr_t>(base);
       d.length = length;
@@ -262,7 +302,7 @@ class NcclTransportImpl final : public NcclTransport {
     for (const WriteOp& op : ops) {
       if (op.length > 0) ncclSend(op.src, op.length, ncclChar, peer, comm_, send_stream_);
     }
-    NCCL_OR_RETURN(ncclGroupEnd());
+    NCCL_COMM_OR_RETURN(ncclGroupEnd());
     CUDA_OR_RETURN(cudaFreeAsync(d_buf, send_stream_));
     out.peer = peer;
     outstanding_.emplace(id, std::move(out));
@@ -271,7 +311,7 @@ class NcclTransportImpl final : public NcclTransport {
 
   absl::Status PostHeaderRecv(int peer) {
     Rx& rx = rx_[peer];
-    NCCL_OR_RETURN(ncclRecv(rx.d_header, sizeof(Header), ncclChar, peer, comm_, rx.stream));
+    NCCL_COMM_OR_RETURN(ncclRecv(rx.d_header, sizeof(Header), ncclChar, peer, comm_, rx.stream));
     CUDA_OR_RETURN(cudaEventRecord(rx.done, rx.stream));
     rx.stage = Rx::kHeader;
     return absl::OkStatus();
@@ -287,7 +327,7 @@ class NcclTransportImpl final : public NcclTransport {
     CUDA_OR_RETURN(cudaMallocAsync(&d, sizeof(h), send_stream_));
     CUDA_OR_RETURN(cudaMemcpyAsync(d, &h, sizeof(h), cudaMemcpyHostToDevice, send_stream_));
     CUDA_OR_RETURN(cudaStreamSynchronize(send_stream_));
-    NCCL_OR_RETURN(ncclSend(d, sizeof(h), ncclChar, peer, comm_, send_stream_));
+    NCCL_COMM_OR_RETURN(ncclSend(d, sizeof(h), ncclChar, peer, comm_, send_stream_));
     CUDA_OR_RETURN(cudaFreeAsync(d, send_stream_));
     return absl::OkStatus();
   }
@@ -320,7 +360,7 @@ class NcclTransportImpl final : public NcclTransport {
         if (rx.table.empty()) return FinishPayload(peer);
         CUDA_OR_RETURN(cudaMallocAsync(reinterpret_cast<void**>(&rx.d_table),
                                        rx.table.size() * sizeof(OpEntry), rx.stream));
-        NCCL_OR_RETURN(ncclRecv(rx.d_table, rx.table.size() * sizeof(OpEntry), ncclChar, peer,
+        NCCL_COMM_OR_RETURN(ncclRecv(rx.d_table, rx.table.size() * sizeof(OpEntry), ncclChar, peer,
                                 comm_, rx.stream));
         CUDA_OR_RETURN(cudaEventRecord(rx.done, rx.stream));
         rx.stage = Rx::kTable;
@@ -351,7 +391,7 @@ class NcclTransportImpl final : public NcclTransport {
           }
           ncclRecv(dst, e.length, ncclChar, peer, comm_, rx.stream);
         }
-        NCCL_OR_RETURN(ncclGroupEnd());
+        NCCL_COMM_OR_RETURN(ncclGroupEnd());
         CUDA_OR_RETURN(cudaEventRecord(rx.done, rx.stream));
         rx.stage = Rx::kPayload;
         return true;

@@ -2,8 +2,11 @@
 // KV caches that live in device memory (the Debian UCX build has no CUDA support).
 //
 // Bootstrap: one process creates a unique id (CreateUniqueId, 128 opaque bytes) and hands it to
-// the others over gRPC; every process then calls Init(rank, nranks, id), which blocks until all
-// ranks have joined (ncclCommInitRank). Regions and sources are device pointers on `device`.
+// the others over gRPC; every process then calls Init(rank, nranks, id, deadline), which blocks
+// until all ranks have joined or the deadline passed (a non-blocking ncclCommInitRankConfig,
+// aborted at the deadline, so a peer that dies before joining costs no hung thread). Regions
+// and sources are device pointers on `device`; regions may be registered before Init (their
+// descriptors then name the rank's address only after Init; AddressOfRank computes it).
 //
 // How the receiver learns what to receive. NCCL is two-sided: every ncclSend needs a matching
 // ncclRecv of the same size, matched in order per (sender, receiver) pair. So each message from
@@ -29,8 +32,11 @@
 // NCCL documents as not guaranteed; keep at most a few peers per transport.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "common/transfer/transfer.h"
@@ -47,8 +53,22 @@ class NcclTransport : public KvTransport {
   static absl::StatusOr<std::string> CreateUniqueId();
   // Fails (UNAVAILABLE) when there is no CUDA device.
   static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(const NcclTransportOptions& opts);
-  // Joins the communicator; blocks until all `nranks` ranks have called it.
-  virtual absl::Status Init(int rank, int nranks, const std::string& unique_id) = 0;
+  // Joins the communicator; blocks until all `nranks` ranks have called it (OK), or until
+  // `deadline` (DEADLINE_EXCEEDED; the half-built communicator is aborted and the transport
+  // stays unusable).
+  virtual absl::Status Init(int rank, int nranks, const std::string& unique_id,
+                            std::chrono::steady_clock::time_point deadline) = 0;
+  absl::Status Init(int rank, int nranks, const std::string& unique_id) {
+    return Init(rank, nranks, unique_id, std::chrono::steady_clock::time_point::max());
+  }
+
+  // The RegionDescriptor::peer_address of `rank` in the communicator of `unique_id`: a sender
+  // that learnt a region's id out of band builds the descriptor with it.
+  static std::string AddressOfRank(std::string_view unique_id, int rank) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (unsigned char c : unique_id) h = (h ^ c) * 1099511628211ull;
+    return "nccl:" + std::to_string(h) + ":" + std::to_string(rank);
+  }
 };
 
 }  // namespace tandem::transfer

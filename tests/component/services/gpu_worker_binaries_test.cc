@@ -58,7 +58,7 @@ class GpuWorkerBinariesTest : public ::testing::TestWithParam<std::string> {
 
 TEST_P(GpuWorkerBinariesTest, DeviceCudaWithoutGpuFailsAtStartWithFailedPrecondition) {
   if (HaveGpu()) GTEST_SKIP() << "a CUDA device is present";
-  for (const std::string transport : {"ucx", "cuda_ipc"}) {
+  for (const std::string transport : {"ucx", "cuda_ipc", "nccl"}) {
     ChildProcess c(GetParam(),
                    {"--model", model_path_, "--port", "0", "--port-file", Path("w.port"),
                     "--device", "cuda", "--transport", transport, "--threads", "1"},
@@ -70,6 +70,22 @@ TEST_P(GpuWorkerBinariesTest, DeviceCudaWithoutGpuFailsAtStartWithFailedPrecondi
     EXPECT_NE(log.find(ExpectedReason()), std::string::npos) << log;
     EXPECT_FALSE(fs::exists(Path("w.port"))) << "it must not start serving";
   }
+}
+
+// NCCL moves device memory only: a host pool is refused at start, GPU or not.
+TEST_P(GpuWorkerBinariesTest, NcclWithAHostPoolFailsAtStartWithFailedPrecondition) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  ChildProcess c(GetParam(),
+                 {"--model", model_path_, "--port", std::to_string(port), "--port-file",
+                  Path("w.port"), "--device", "cpu", "--transport", "nccl", "--threads", "1"},
+                 Path("w.log"));
+  EXPECT_EQ(c.Wait(absl::Seconds(20)), 1) << c.Log();
+  const std::string log = c.Log();
+  EXPECT_NE(log.find(GetParam() + ": --transport: FAILED_PRECONDITION"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("needs --device cuda"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(Path("w.port"))) << "it must not start serving";
 }
 
 TEST_P(GpuWorkerBinariesTest, ServesMetricsOnTheCpu) {

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/transfer/nccl/nccl_pair_transport.h"
 #include "common/transfer/nccl/nccl_transport.h"
 #include "gtest/gtest.h"
 
@@ -70,6 +71,71 @@ TEST(NcclTransportTest, WritesLandBetweenTwoGpusAndOutOfRangeIsRefused) {
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
   EXPECT_EQ((*a)->stats().bytes_written, 4096u + (3u << 20));
   EXPECT_EQ((*b)->stats().bytes_received, 4096u + (3u << 20));
+}
+
+
+TEST(NcclTransportTest, InitGivesUpAtItsDeadlineWhenNoPeerJoins) {
+  if (DeviceCount() < 1) GTEST_SKIP() << "no CUDA device";
+  auto id = NcclTransport::CreateUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto a = NcclTransport::Create({.device = 0});
+  ASSERT_TRUE(a.ok()) << a.status();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = (*a)->Init(0, 2, *id, start + std::chrono::milliseconds(500));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  a->reset();  // must not hang on the aborted communicator
+}
+
+// The workers' "nccl" backend with real ranks: a pair transport per GPU, the join called in
+// process (the gRPC half is nccl_join_test's).
+TEST(NcclTransportTest, PairTransportJoinsOnFirstWriteBetweenTwoGpus) {
+  if (DeviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  auto make = [](int device, std::string control, NcclJoinFn join) {
+    NcclPairTransportOptions o;
+    o.control_address = std::move(control);
+    o.join = std::move(join);
+    o.create_rank = [device] { return NcclTransport::Create({.device = device}); };
+    o.create_unique_id = [] { return NcclTransport::CreateUniqueId(); };
+    auto t = NcclPairTransport::Create(std::move(o));
+    EXPECT_TRUE(t.ok()) << t.status();
+    return std::move(*t);
+  };
+  std::unique_ptr<NcclPairTransport> decode = make(1, "decode:1", nullptr);
+  int joins = 0;
+  std::unique_ptr<NcclPairTransport> prefill =
+      make(0, "", [&](const std::string&, const NcclJoinRequest& r,
+                      std::chrono::steady_clock::time_point d) {
+        joins++;
+        return decode->HandleJoin(r, d);
+      });
+  constexpr size_t kBytes = 1 << 20;
+  std::vector<uint8_t> host_src(kBytes), back(kBytes);
+  std::mt19937_64 rng(9);
+  for (auto& v : host_src) v = static_cast<uint8_t>(rng());
+  void *src = nullptr, *region = nullptr;
+  cudaSetDevice(0);
+  ASSERT_EQ(cudaMalloc(&src, kBytes), cudaSuccess);
+  cudaMemcpy(src, host_src.data(), kBytes, cudaMemcpyHostToDevice);
+  cudaSetDevice(1);
+  ASSERT_EQ(cudaMalloc(&region, kBytes), cudaSuccess);
+  cudaMemset(region, 0xA5, kBytes);  // poison
+  auto d = decode->RegisterRegion(region, kBytes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto* s = static_cast<uint8_t*>(src);
+  ASSERT_TRUE(prefill->Write(*d, {{s, kBytes / 2, 0}}, std::chrono::seconds(30)).ok());
+  ASSERT_TRUE(prefill->Write(*d, {{s + kBytes / 2, kBytes / 2, kBytes / 2}},
+                             std::chrono::seconds(30)).ok());
+  EXPECT_EQ(joins, 1);
+  cudaSetDevice(1);
+  cudaMemcpy(back.data(), region, kBytes, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(back, host_src);
+  EXPECT_EQ(prefill->stats().bytes_written, kBytes);
+  prefill.reset();
+  decode.reset();
+  cudaFree(region);
+  cudaSetDevice(0);
+  cudaFree(src);
 }
 
 }  // namespace
