@@ -111,11 +111,11 @@ def write_lines(path, lines):
 
 
 def generate(h, env, prompts, max_tokens, name, ignore_eos=False, progress=None, retry_ms=0,
-             background=False):
+             background=False, router="tandem-router:50051"):
     pf = os.path.join(env.work, f"{name}.prompts")
     out = os.path.join(env.work, f"{name}.json")
     write_lines(pf, prompts)
-    argv = [h.tool_path(), "generate", "--router", "tandem-router:50051", "--prompts", pf,
+    argv = [h.tool_path(), "generate", "--router", router, "--prompts", pf,
             "--max-tokens", str(max_tokens), "--out", out, "--retry-ms", str(retry_ms)] + \
         h.tool_flags
     if ignore_eos:
@@ -443,33 +443,39 @@ def scenario_faults(env):
         check_baseline(h, "decode SIGKILL")
 
         # 2. A router pod SIGKILLed: its own streams end UNAVAILABLE; new requests succeed
-        # within 2 s; the failed streams' retries succeed.
-        proc, out = generate(h, env, prompts, tokens, "kill-router", ignore_eos=True,
-                             progress=os.path.join(env.work, "kill-router.progress"),
-                             background=True)
-        wait_progress(os.path.join(env.work, "kill-router.progress"), n)
-        router = h.pods_of("router")[0]
-        h.sigkill(router)
+        # within 2 s; the failed streams' retries succeed. Half the streams go to each router
+        # pod by its IP, so both have some whatever the client's balancing did at the start.
+        routers = h.pods_of("router")
+        runs = []
+        for i, r in enumerate(routers[:2]):
+            name = f"kill-router-{i}"
+            proc, out = generate(h, env, prompts[i::2], tokens, name, ignore_eos=True,
+                                 progress=os.path.join(env.work, f"{name}.progress"),
+                                 background=True, router=f"{r.ip}:50051")
+            runs.append((proc, out))
+        for i in range(2):
+            wait_progress(os.path.join(env.work, f"kill-router-{i}.progress"), len(prompts[i::2]))
+        h.sigkill(routers[0])
         killed = time.time()
         fresh = generate(h, env, ["Once upon a time"], 8, "after-router-kill", retry_ms=5000)
         first_ok = fresh[0]["end"] - killed if fresh[0]["code"] == 0 else None
         check(first_ok is not None and first_ok <= 2.0,
               f"a new request to the router Service succeeded {first_ok and round(first_ok, 2)} s "
               f"after a router pod was SIGKILLed (attempts {fresh[0]['attempts']})")
-        proc.wait(timeout=120)
-        with open(out) as f:
-            res = json.load(f)
-        lost = [g for g in res if g["code"] != 0]
-        check(all(g["code"] == 14 for g in lost),
-              f"{len(lost)} streams on the killed router ended UNAVAILABLE, "
-              f"{len(res) - len(lost)} on the other completed "
-              f"(codes {sorted({g['code'] for g in res})})")
-        ok = [g for g in res if g["code"] == 0]
-        streams_check(ok, "streams through the surviving router")
-        if lost:
-            retried = generate(h, env, [g["prompt"] for g in lost], tokens, "router-retry",
-                               ignore_eos=True)
-            streams_check(retried, "the lost streams retried through the router Service")
+        res = []
+        for proc, out in runs:
+            proc.wait(timeout=120)
+            with open(out) as f:
+                res.append(json.load(f))
+        lost, kept = res
+        check(lost and all(g["code"] == 14 for g in lost),
+              f"the {len(lost)} streams on the killed router ended UNAVAILABLE "
+              f"(codes {sorted({g['code'] for g in lost})}, the last after "
+              f"{max(g['end'] for g in lost) - killed:.2f} s)")
+        streams_check(kept, "streams through the surviving router")
+        retried = generate(h, env, [g["prompt"] for g in lost], tokens, "router-retry",
+                           ignore_eos=True)
+        streams_check(retried, "the lost streams retried through the router Service")
         h.wait_ready(60)
         check_baseline(h, "router SIGKILL")
 

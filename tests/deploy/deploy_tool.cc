@@ -147,7 +147,9 @@ std::shared_ptr<grpc::Channel> Channel(const Args& a, const std::string& target)
   return grpc::CreateCustomChannel(target, Credentials(a), BaseArgs(a));
 }
 
-std::shared_ptr<grpc::Channel> RouterChannel(const Args& a, const std::string& target) {
+// settle: give the other routers' subchannels a moment to connect before the first call.
+std::shared_ptr<grpc::Channel> RouterChannel(const Args& a, const std::string& target,
+                                             bool settle) {
   grpc::ChannelArguments args = BaseArgs(a);
   args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
   // Rejoin a restarted router quickly (gRPC's default backoff grows to minutes).
@@ -159,7 +161,7 @@ std::shared_ptr<grpc::Channel> RouterChannel(const Args& a, const std::string& t
   // calls made while only the first router had connected would all go to it. Long-lived
   // clients are past this point anyway.
   channel->WaitForConnected(Deadline(5000));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (settle) std::this_thread::sleep_for(std::chrono::milliseconds(200));
   return channel;
 }
 
@@ -407,7 +409,8 @@ void RunStream(tandem::v1::Inference::Stub* stub, const tandem::v1::GenerateRequ
 
 int Generate(const Args& a) {
   const std::vector<std::string> prompts = ReadLines(a.Get("prompts"));
-  auto stub = tandem::v1::Inference::NewStub(RouterChannel(a, a.Get("router")));
+  auto stub =
+      tandem::v1::Inference::NewStub(RouterChannel(a, a.Get("router"), prompts.size() > 1));
   const int max_tokens = a.GetInt("max-tokens", 32);
   const bool ignore_eos = a.Has("ignore-eos");
   const double retry_until = Now() + a.GetInt("retry-ms", 0) / 1000.0;
@@ -450,7 +453,7 @@ int Generate(const Args& a) {
 int Load(const Args& a) {
   const std::vector<std::string> prompts = ReadLines(a.Get("prompts"));
   if (prompts.empty()) return 2;
-  auto stub = tandem::v1::Inference::NewStub(RouterChannel(a, a.Get("router")));
+  auto stub = tandem::v1::Inference::NewStub(RouterChannel(a, a.Get("router"), true));
   const int max_tokens = a.GetInt("max-tokens", 16);
   const std::string stop_file = a.Get("stop-file");
   std::atomic<uint64_t> next{0};
