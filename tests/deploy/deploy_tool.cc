@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -147,7 +148,33 @@ std::shared_ptr<grpc::Channel> Channel(const Args& a, const std::string& target)
   return grpc::CreateCustomChannel(target, Credentials(a), BaseArgs(a));
 }
 
-// settle: give the other routers' subchannels a moment to connect before the first call.
+// The distinct IP addresses HOST of HOST:PORT resolves to (the pod's /etc/hosts), as text.
+std::vector<std::string> ResolveAll(std::string hostport) {
+  std::vector<std::string> ips;
+  if (hostport.rfind("dns:///", 0) == 0) hostport = hostport.substr(7);
+  const size_t colon = hostport.rfind(':');
+  if (colon == std::string::npos) return ips;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(hostport.substr(0, colon).c_str(), nullptr, &hints, &res) != 0) return ips;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    const void* addr = ai->ai_family == AF_INET
+                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr)
+                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr);
+    if (inet_ntop(ai->ai_family, addr, buf, sizeof(buf)) == nullptr) continue;
+    if (std::find(ips.begin(), ips.end(), buf) == ips.end()) ips.emplace_back(buf);
+  }
+  freeaddrinfo(res);
+  return ips;
+}
+
+// settle: before the first real call, make sure every router the name resolves to is in the
+// round_robin rotation. round_robin picks among the subchannels that are READY, so calls made
+// while only the first router had connected would all go to it; cheap ListModels calls are
+// sent until each resolved address has answered one (ClientContext::peer()), for at most 10 s.
+// Long-lived clients are past this point anyway.
 std::shared_ptr<grpc::Channel> RouterChannel(const Args& a, const std::string& target,
                                              bool settle) {
   grpc::ChannelArguments args = BaseArgs(a);
@@ -157,11 +184,30 @@ std::shared_ptr<grpc::Channel> RouterChannel(const Args& a, const std::string& t
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel(target, Credentials(a), args);
-  // Connect before the first call: round_robin picks among the subchannels that are ready, so
-  // calls made while only the first router had connected would all go to it. Long-lived
-  // clients are past this point anyway.
   channel->WaitForConnected(Deadline(5000));
-  if (settle) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (!settle) return channel;
+  const std::vector<std::string> want = ResolveAll(target);
+  auto stub = tandem::v1::Inference::NewStub(channel);
+  std::vector<std::string> seen;
+  for (const auto until = Deadline(10000); seen.size() < want.size() && Clock::now() < until;) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(1000));
+    if (a.Has("api-key")) ctx.AddMetadata("authorization", "Bearer " + a.Get("api-key"));
+    tandem::v1::ListModelsRequest req;
+    tandem::v1::ListModelsResponse resp;
+    stub->ListModels(&ctx, req, &resp);  // refused or not, it reached the router peer() names
+    const std::string peer = ctx.peer();  // "ipv4:10.1.0.5:50051", "ipv6:[fd00::5]:50051"
+    for (const std::string& ip : want) {
+      const bool match = peer.find(":" + ip + ":") != std::string::npos ||
+                         peer.find("[" + ip + "]") != std::string::npos;
+      if (match && std::find(seen.begin(), seen.end(), ip) == seen.end()) seen.push_back(ip);
+    }
+    if (seen.size() < want.size()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (seen.size() < want.size()) {
+    std::fprintf(stderr, "deploy_tool: %zu of %zu router addresses of %s answered in 10 s\n",
+                 seen.size(), want.size(), target.c_str());
+  }
   return channel;
 }
 
