@@ -54,27 +54,17 @@ void CudaEvent::Reset() {
 absl::StatusOr<PinnedHostBuffer> PinnedHostBuffer::Create(size_t bytes) {
   PinnedHostBuffer b;
   if (bytes == 0) return b;
-  TANDEM_CUDA_RETURN_IF(cudaHostAlloc(&b.p_, bytes, cudaHostAllocPortable));
-  b.n_ = bytes;
+  TANDEM_CUDA_RETURN_IF(cudaHostAlloc(b.out(), bytes, cudaHostAllocPortable));
+  b.set_size(bytes);
   return b;
-}
-void PinnedHostBuffer::Reset() {
-  if (p_ != nullptr) cudaFreeHost(p_);
-  p_ = nullptr;
-  n_ = 0;
 }
 
 absl::StatusOr<DeviceMemory> DeviceMemory::Create(size_t bytes) {
   DeviceMemory m;
   if (bytes == 0) return m;
-  TANDEM_CUDA_RETURN_IF(cudaMalloc(&m.p_, bytes));
-  m.n_ = bytes;
+  TANDEM_CUDA_RETURN_IF(cudaMalloc(m.out(), bytes));
+  m.set_size(bytes);
   return m;
-}
-void DeviceMemory::Reset() {
-  if (p_ != nullptr) cudaFree(p_);
-  p_ = nullptr;
-  n_ = 0;
 }
 
 PointerKind ClassifyPointer(const void* p) {

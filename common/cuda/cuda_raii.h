@@ -83,16 +83,15 @@ class CudaEvent {
   cudaEvent_t e_ = nullptr;
 };
 
-// Page-locked host memory (cudaHostAlloc), so copies to and from the device run at full speed
-// and can be asynchronous.
-class PinnedHostBuffer {
+// Owns size() bytes that Free (cudaFree, cudaFreeHost) releases; moves, never copies.
+template <cudaError_t (*Free)(void*)>
+class CudaBytes {
  public:
-  static absl::StatusOr<PinnedHostBuffer> Create(size_t bytes);
-  PinnedHostBuffer() = default;
-  ~PinnedHostBuffer() { Reset(); }
-  PinnedHostBuffer(PinnedHostBuffer&& o) noexcept
+  CudaBytes() = default;
+  ~CudaBytes() { Reset(); }
+  CudaBytes(CudaBytes&& o) noexcept
       : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
-  PinnedHostBuffer& operator=(PinnedHostBuffer&& o) noexcept {
+  CudaBytes& operator=(CudaBytes&& o) noexcept {
     if (this != &o) {
       Reset();
       p_ = std::exchange(o.p_, nullptr);
@@ -100,41 +99,35 @@ class PinnedHostBuffer {
     }
     return *this;
   }
-  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
-  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+  CudaBytes(const CudaBytes&) = delete;
+  CudaBytes& operator=(const CudaBytes&) = delete;
   uint8_t* data() const { return static_cast<uint8_t*>(p_); }
   size_t size() const { return n_; }
 
+ protected:
+  void** out() { return &p_; }  // for the allocation call in Create
+  void set_size(size_t n) { n_ = n; }
+
  private:
-  void Reset();
+  void Reset() {
+    if (p_ != nullptr) Free(p_);
+    p_ = nullptr;
+    n_ = 0;
+  }
   void* p_ = nullptr;
   size_t n_ = 0;
 };
 
-class DeviceMemory {
+// Page-locked host memory (cudaHostAlloc), so copies to and from the device run at full speed
+// and can be asynchronous.
+class PinnedHostBuffer : public CudaBytes<cudaFreeHost> {
+ public:
+  static absl::StatusOr<PinnedHostBuffer> Create(size_t bytes);
+};
+
+class DeviceMemory : public CudaBytes<cudaFree> {
  public:
   static absl::StatusOr<DeviceMemory> Create(size_t bytes);
-  DeviceMemory() = default;
-  ~DeviceMemory() { Reset(); }
-  DeviceMemory(DeviceMemory&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
-  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      p_ = std::exchange(o.p_, nullptr);
-      n_ = std::exchange(o.n_, 0);
-    }
-    return *this;
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  uint8_t* data() const { return static_cast<uint8_t*>(p_); }
-  size_t size() const { return n_; }
-
- private:
-  void Reset();
-  void* p_ = nullptr;
-  size_t n_ = 0;
 };
 
 // Whether `p` is device memory (cudaMalloc or an IPC mapping), and on which device.
