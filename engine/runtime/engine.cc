@@ -188,6 +188,11 @@ absl::Status Engine::Validate(std::span<const SeqChunk> chunks, int64_t* n_token
         return absl::InvalidArgumentError(absl::StrCat("block id ", b, " out of range"));
       }
     }
+    if (ch.want_logits && (ch.n_logits < 1 || ch.n_logits > static_cast<int64_t>(ch.tokens.size()))) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", i, " asks for ", ch.n_logits,
+                                                     " logit rows of ", ch.tokens.size(),
+                                                     " tokens"));
+    }
     total += static_cast<int64_t>(ch.tokens.size());
   }
   if (total > o_.max_batch_tokens) {
@@ -312,9 +317,10 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
     for (const SeqChunk& ch : chunks) {
       row += static_cast<int64_t>(ch.tokens.size());
       if (!ch.want_logits) continue;
-      kernels::RmsNorm(x_.data() + (row - 1) * d, model_->output_norm().data(),
-                       xn_.data() + n_out * d, d, c.norm_eps);
-      ++n_out;
+      for (int64_t r = row - ch.n_logits; r < row; ++r, ++n_out) {
+        kernels::RmsNorm(x_.data() + r * d, model_->output_norm().data(), xn_.data() + n_out * d,
+                         d, c.norm_eps);
+      }
     }
   }
   logits->resize(n_out * c.n_vocab);

@@ -70,6 +70,9 @@ struct SeqChunk {
   int32_t start_pos = 0;
   std::span<const int32_t> block_table;
   bool want_logits = false;
+  // With want_logits: the logits of the chunk's last n_logits tokens (1 .. tokens.size()), in
+  // position order. Speculative verification asks for every position of its k+1 tokens.
+  int32_t n_logits = 1;
 };
 
 class Engine {
@@ -81,8 +84,9 @@ class Engine {
   static absl::StatusOr<uint64_t> KvBytes(const Model& model, const EngineOptions& o);
 
   // INVALID_ARGUMENT for a token id outside the vocabulary, positions past ctx_size, a block
-  // table too short, or more than max_batch_tokens tokens. On success `logits` holds
-  // n_vocab floats for each chunk with want_logits, in chunk order.
+  // table too short, n_logits outside [1, tokens], or more than max_batch_tokens tokens. On
+  // success `logits` holds n_vocab floats for each logit row (n_logits per chunk with
+  // want_logits), chunk after chunk.
   // on_layer_done(l), when given, runs on the calling thread as soon as layer l's K/V of every
   // chunk are in the cache, so a prefill worker can start sending layer l while later layers
   // compute. (With kCuda the device has finished layer l's K/V writes when it runs.)

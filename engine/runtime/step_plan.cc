@@ -17,7 +17,9 @@ void StepPlan::Build(std::span<const SeqChunk> chunks, int32_t bs, bool decode_k
       slots.push_back(int64_t{ch.block_table[pos / bs]} * bs + pos % bs);
     }
     rows += static_cast<int64_t>(ch.tokens.size());
-    if (ch.want_logits) logit_rows.push_back(rows - 1);
+    if (ch.want_logits) {
+      for (int64_t r = rows - ch.n_logits; r < rows; ++r) logit_rows.push_back(r);
+    }
   }
   int64_t row = 0;
   for (size_t i = 0; i < chunks.size();) {

@@ -34,7 +34,7 @@ struct StepPlan {
   std::vector<int32_t> ints;   // T positions, then every launch's tables and key counts
   std::vector<int64_t> slots;  // per row: its KV slot, block * block_size + slot in block
   std::vector<AttentionLaunch> launches;
-  std::vector<int64_t> logit_rows;  // rows whose logits are wanted (each such chunk's last)
+  std::vector<int64_t> logit_rows;  // rows whose logits are wanted (each such chunk's last n_logits)
 
   // Chunks must already be validated (Engine::Step does): block tables cover the positions.
   void Build(std::span<const SeqChunk> chunks, int32_t block_size, bool decode_kernel);

@@ -42,6 +42,8 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop_strings;
   bool ignore_eos = false;
+  // false: this request never speculates (Scheduler); the output is the same either way.
+  bool speculative = true;
 };
 
 // INVALID_ARGUMENT naming the field for out-of-range values (temperature < 0, top_p outside
@@ -66,6 +68,19 @@ class Sampler {
   // continues a sequence whose first token was sampled by a prefill worker skips that draw, so
   // a seeded request yields the same tokens disaggregated as in one process.
   void SkipSamples(int64_t n);
+  // Speculative verification of a deterministic draft token (a point mass q at `draft`): the
+  // standard rule accepts it with min(1, p/q) = p(draft) and otherwise draws from the residual
+  // max(0, p - q), normalised, which is p without the draft. Drawing x from p with this
+  // sampler's one uniform and accepting when x == draft realises exactly that rule, so Verify
+  // returns Sample's token and sets *accepted when it equals the draft. Consequences: a seeded
+  // request yields the same tokens with speculation as without it, whatever the batch, and
+  // greedy accepts exactly when the draft is the argmax.
+  int32_t Verify(std::span<float> logits, std::span<const int32_t> history, int32_t draft,
+                 bool* accepted) {
+    const int32_t t = Sample(logits, history);
+    *accepted = t == draft;
+    return t;
+  }
 
  private:
   void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history) const;
