@@ -1,0 +1,117 @@
+#include "engine/spec/proposer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::engine {
+
+std::string_view SpecMethodName(SpecMethod m) {
+  switch (m) {
+    case SpecMethod::kNgram:
+      return "ngram";
+    case SpecMethod::kOff:
+      break;
+  }
+  return "off";
+}
+
+std::string SpecHandshake(const SpeculativeOptions& o) {
+  return std::string(SpecMethodName(o.method));
+}
+
+absl::StatusOr<SpeculativeOptions> ParseSpeculative(std::string_view spec, int32_t k) {
+  SpeculativeOptions o;
+  if (k < 1 || k > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--spec-tokens must be in [1, 16], got ", k));
+  }
+  o.max_draft = k;
+  if (spec.empty() || spec == "off") return o;
+  if (spec == "ngram") {
+    o.method = SpecMethod::kNgram;
+    return o;
+  }
+  if (spec.starts_with("self:") || spec.starts_with("draft:")) {
+    const std::string_view arg = spec.substr(spec.find(':') + 1);
+    if (arg.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--speculative ", std::string(spec), " names no ",
+                       spec.starts_with("self:") ? "type" : "draft model"));
+    }
+    return absl::UnimplementedError(absl::StrCat(
+        "--speculative ", std::string(spec), ": draft-model proposers are not built yet; use ngram"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown --speculative '", std::string(spec), "' (off, ngram, self:TYPE or draft:PATH)"));
+}
+
+NgramProposer::NgramProposer(int32_t ngram_min, int32_t ngram_max)
+    : min_(std::max(1, ngram_min)), max_(std::max(std::max(1, ngram_min), ngram_max)) {}
+
+void NgramProposer::Propose(std::span<const int32_t> tokens, int32_t max_draft,
+                            std::vector<int32_t>* draft) {
+  draft->clear();
+  const int64_t len = static_cast<int64_t>(tokens.size());
+  if (max_draft <= 0) return;
+  for (int64_t n = std::min<int64_t>(max_, len - 1); n >= min_; --n) {
+    const std::span<const int32_t> suffix = tokens.subspan(len - n);
+    // Latest start i < len - n whose n tokens equal the suffix (the suffix itself excluded).
+    for (int64_t i = len - n - 1; i >= 0; --i) {
+      if (!std::equal(suffix.begin(), suffix.end(), tokens.begin() + i)) continue;
+      const int64_t from = i + n;
+      const int64_t to = std::min(len, from + max_draft);
+      draft->assign(tokens.begin() + from, tokens.begin() + to);
+      return;
+    }
+  }
+}
+
+std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o) {
+  switch (o.method) {
+    case SpecMethod::kNgram:
+      return std::make_unique<NgramProposer>(o.ngram_min, o.ngram_max);
+    case SpecMethod::kOff:
+      break;
+  }
+  return nullptr;
+}
+
+int32_t DraftLength::Next() {
+  if (o_.method == SpecMethod::kOff || o_.max_draft <= 0) return 0;
+  if (!o_.adaptive) return o_.max_draft;
+  const double a = std::clamp(acceptance(), 0.0, 0.999);
+  int32_t best = 0;
+  double best_rate = 1.0;  // k = 0: one token per one-token step
+  double expected = 1.0;   // 1 + a + ... + a^k
+  double pow = 1.0;
+  for (int32_t k = 1; k <= o_.max_draft; ++k) {
+    pow *= a;
+    expected += pow;
+    const double rate = expected / (1.0 + o_.verify_cost * k);
+    if (rate > best_rate) {
+      best_rate = rate;
+      best = k;
+    }
+  }
+  if (best > 0) {
+    idle_steps_ = 0;
+    return best;
+  }
+  if (++idle_steps_ >= kProbeEvery) {
+    idle_steps_ = 0;
+    return 1;
+  }
+  return 0;
+}
+
+void DraftLength::Record(int32_t drafted, int32_t accepted) {
+  if (drafted <= 0) return;
+  // Older steps weigh less, so the estimate follows a sequence whose text changes character.
+  constexpr double kKeep = 0.9;
+  hits_ = kKeep * hits_ + accepted;
+  trials_ = kKeep * trials_ + accepted + (accepted < drafted ? 1 : 0);
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,103 @@
+// Speculative decoding: proposers and the options that turn it on.
+//
+// A proposer guesses the tokens that follow a sequence; the scheduler checks k guesses in one
+// engine step (k+1 logit rows) and keeps the longest prefix the target model agrees with
+// (Sampler::Verify), so the output is the target's whatever the proposer says. Proposers here
+// are deterministic: each guess is a point mass, which is what Sampler::Verify's rule assumes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tandem::engine {
+
+enum class SpecMethod {
+  kOff,
+  kNgram,  // prompt lookup: continue the latest earlier occurrence of the sequence's suffix
+};
+
+struct SpeculativeOptions {
+  SpecMethod method = SpecMethod::kOff;
+  // Most draft tokens checked per step (--spec-tokens).
+  int32_t max_draft = 4;
+  // n-gram proposer: suffix lengths tried, longest first.
+  int32_t ngram_min = 1;
+  int32_t ngram_max = 3;
+  // Speculation is skipped in a step with more decoding sequences than this: verification is
+  // nearly free only while a step is bound by reading the weights (docs/perf/speculative.md).
+  int32_t max_batch = 8;
+  // Adaptive draft length: each sequence picks k maximising its expected tokens per unit of
+  // step time, (1 - a^(k+1)) / (1 - a) / (1 + verify_cost * k), from its running acceptance a.
+  // Off: always max_draft.
+  bool adaptive = true;
+  // Step time of one more verified token, relative to a one-token decode step.
+  double verify_cost = 0.1;
+};
+
+std::string_view SpecMethodName(SpecMethod m);
+// What prefill and decode must agree on, exchanged in the reserve handshake: the method (and,
+// for a draft model, which one), not the draft length or the gate, which are decode's own.
+std::string SpecHandshake(const SpeculativeOptions& o);
+
+// "off", "ngram", "self:TYPE" or "draft:PATH" with k draft tokens. INVALID_ARGUMENT for anything
+// else or k outside [1, 16]; UNIMPLEMENTED for the model proposers, which are not built yet.
+absl::StatusOr<SpeculativeOptions> ParseSpeculative(std::string_view spec, int32_t k);
+
+class Proposer {
+ public:
+  virtual ~Proposer() = default;
+  virtual std::string_view name() const = 0;
+  // Replaces *draft with at most max_draft tokens guessed to follow `tokens` (prompt and output
+  // so far); empty when it has no guess.
+  virtual void Propose(std::span<const int32_t> tokens, int32_t max_draft,
+                       std::vector<int32_t>* draft) = 0;
+};
+
+// Prompt lookup: for n = ngram_max down to ngram_min, finds the latest earlier occurrence of the
+// last n tokens and proposes the tokens that followed it. Costs O(length * n) per call.
+class NgramProposer final : public Proposer {
+ public:
+  NgramProposer(int32_t ngram_min, int32_t ngram_max);
+  std::string_view name() const override { return "ngram"; }
+  void Propose(std::span<const int32_t> tokens, int32_t max_draft,
+               std::vector<int32_t>* draft) override;
+
+ private:
+  int32_t min_;
+  int32_t max_;
+};
+
+// The proposer for o.method; null for kOff.
+std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o);
+
+// Per-sequence acceptance tracking and the adaptive draft length.
+class DraftLength {
+ public:
+  explicit DraftLength(const SpeculativeOptions& o) : o_(o) {}
+  // Draft tokens to ask for in the next step, 0..max_draft. With adaptive on, a sequence whose
+  // acceptance makes speculation a loss still drafts one token every kProbeEvery steps, so it can
+  // recover when its text starts repeating.
+  int32_t Next();
+  // `accepted` of `drafted` tokens were kept (drafted >= 1).
+  void Record(int32_t drafted, int32_t accepted);
+  // The running per-token acceptance estimate.
+  double acceptance() const { return hits_ / trials_; }
+
+  static constexpr int kProbeEvery = 8;
+
+ private:
+  SpeculativeOptions o_;
+  // Discounted counts of accepted draft tokens and of draft tokens judged (the first rejected
+  // one counts; those after it were never judged). Prior: a = 0.5.
+  double hits_ = 1.0;
+  double trials_ = 2.0;
+  int idle_steps_ = 0;
+};
+
+}  // namespace tandem::engine

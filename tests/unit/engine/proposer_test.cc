@@ -1,0 +1,120 @@
+// The n-gram proposer, the --speculative parser and the adaptive draft length.
+#include "engine/spec/proposer.h"
+
+#include "gtest/gtest.h"
+
+namespace tandem::engine {
+namespace {
+
+std::vector<int32_t> Propose(Proposer& p, const std::vector<int32_t>& tokens, int k) {
+  std::vector<int32_t> d = {99, 99};  // replaced, never appended to
+  p.Propose(tokens, k, &d);
+  return d;
+}
+
+TEST(NgramProposerTest, ContinuesTheLatestEarlierOccurrenceOfTheLongestSuffix) {
+  NgramProposer p(1, 3);
+  // Suffix "2 3" last occurred at index 5 (followed by 8 9), earlier at 1 (followed by 4 5);
+  // the 3-gram "7 2 3" never occurred before, so the 2-gram decides, latest occurrence first.
+  const std::vector<int32_t> t = {1, 2, 3, 4, 5, 2, 3, 8, 9, 7, 2, 3};
+  EXPECT_EQ(Propose(p, t, 4), (std::vector<int32_t>{8, 9, 7, 2}));
+  EXPECT_EQ(Propose(p, t, 2), (std::vector<int32_t>{8, 9}));
+  // The longer match wins over a later shorter one: "1 2 3" occurred at 0 (then 4); "2 3" alone
+  // occurred later, at 5.
+  const std::vector<int32_t> u = {1, 2, 3, 4, 6, 2, 3, 5, 1, 2, 3};
+  EXPECT_EQ(Propose(p, u, 3), (std::vector<int32_t>{4, 6, 2}));
+}
+
+TEST(NgramProposerTest, DraftStopsAtTheEndOfWhatIsKnown) {
+  NgramProposer p(1, 3);
+  // The only earlier "5" is at index 3: what follows it is the suffix itself, cut at the end.
+  EXPECT_EQ(Propose(p, {1, 2, 3, 5, 6, 5}, 8), (std::vector<int32_t>{6, 5}));
+}
+
+TEST(NgramProposerTest, NoGuessWithoutAMatch) {
+  NgramProposer p(2, 3);
+  EXPECT_TRUE(Propose(p, {1, 2, 3, 4, 5}, 4).empty());
+  EXPECT_TRUE(Propose(p, {7}, 4).empty());
+  EXPECT_TRUE(Propose(p, {}, 4).empty());
+  EXPECT_TRUE(Propose(p, {1, 2, 1, 2}, 0).empty());
+  // ngram_min 2: a single repeated token is not enough.
+  EXPECT_TRUE(Propose(p, {4, 1, 2, 3, 4}, 4).empty());
+  NgramProposer one(1, 3);
+  EXPECT_EQ(Propose(one, {4, 1, 2, 3, 4}, 4), (std::vector<int32_t>{1, 2, 3, 4}));
+}
+
+TEST(ParseSpeculativeTest, AcceptsTheDesignedForms) {
+  auto off = ParseSpeculative("off", 4);
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->method, SpecMethod::kOff);
+  auto ng = ParseSpeculative("ngram", 6);
+  ASSERT_TRUE(ng.ok());
+  EXPECT_EQ(ng->method, SpecMethod::kNgram);
+  EXPECT_EQ(ng->max_draft, 6);
+  EXPECT_EQ(SpecMethodName(ng->method), "ngram");
+  EXPECT_NE(MakeProposer(*ng), nullptr);
+  EXPECT_EQ(MakeProposer(*off), nullptr);
+}
+
+TEST(ParseSpeculativeTest, RefusesWhatItCannotRun) {
+  EXPECT_EQ(ParseSpeculative("ngram", 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSpeculative("ngram", 17).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSpeculative("eagle", 4).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSpeculative("self:", 4).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSpeculative("draft:", 4).status().code(), absl::StatusCode::kInvalidArgument);
+  auto self = ParseSpeculative("self:q4_0", 4);
+  EXPECT_EQ(self.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(self.status().message().find("ngram"), std::string::npos) << self.status();
+  EXPECT_EQ(ParseSpeculative("draft:/m.gguf", 4).status().code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+SpeculativeOptions Ngram(int k, double cost) {
+  SpeculativeOptions o;
+  o.method = SpecMethod::kNgram;
+  o.max_draft = k;
+  o.verify_cost = cost;
+  return o;
+}
+
+TEST(DraftLengthTest, LengthFollowsAcceptance) {
+  DraftLength d(Ngram(8, 0.1));
+  const int32_t prior = d.Next();
+  EXPECT_GE(prior, 1);
+  EXPECT_LT(prior, 8);
+  for (int i = 0; i < 40; ++i) d.Record(4, 4);  // every draft kept
+  EXPECT_GT(d.acceptance(), 0.9);
+  EXPECT_EQ(d.Next(), 8);
+  for (int i = 0; i < 60; ++i) d.Record(4, 0);  // none kept
+  EXPECT_LT(d.acceptance(), 0.1);
+  // A loss now: no drafting, except one probe token every kProbeEvery steps.
+  int drafted_steps = 0;
+  for (int i = 0; i < 4 * DraftLength::kProbeEvery; ++i) {
+    const int32_t k = d.Next();
+    EXPECT_LE(k, 1);
+    drafted_steps += k;
+  }
+  EXPECT_EQ(drafted_steps, 4);
+}
+
+TEST(DraftLengthTest, CostlierVerificationDraftsLess) {
+  DraftLength cheap(Ngram(8, 0.02)), dear(Ngram(8, 0.5));
+  for (int i = 0; i < 30; ++i) {
+    cheap.Record(3, 2);
+    dear.Record(3, 2);
+  }
+  EXPECT_GT(cheap.Next(), dear.Next());
+}
+
+TEST(DraftLengthTest, FixedLengthWithoutAdaptation) {
+  SpeculativeOptions o = Ngram(5, 0.1);
+  o.adaptive = false;
+  DraftLength d(o);
+  for (int i = 0; i < 30; ++i) d.Record(5, 0);
+  EXPECT_EQ(d.Next(), 5);
+  SpeculativeOptions off;
+  EXPECT_EQ(DraftLength(off).Next(), 0);
+}
+
+}  // namespace
+}  // namespace tandem::engine
