@@ -15,12 +15,20 @@ struct Scheduler::Sequence {
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<StopChecker> stop;
   std::unique_ptr<StreamingDecoder> decoder;
+  // With speculation: the acceptance tracker, and while a verify chunk is in flight its tokens
+  // (the pending token, then the drafts).
+  std::unique_ptr<DraftLength> draft_len;
+  std::vector<int32_t> verify;
   bool done = false;
 };
 
 Scheduler::Scheduler(Engine* engine, SchedulerOptions options)
     : engine_(engine), options_(options) {
   if (options_.prefix_cache) cache_ = std::make_unique<PrefixCache>(&engine_->kv().pool());
+  proposer_ = MakeProposer(options_.speculative);
+  if (proposer_ != nullptr) {
+    stats_.accepted_hist.assign(std::max(0, options_.speculative.max_draft) + 1, 0);
+  }
 }
 
 Scheduler::~Scheduler() {
@@ -68,6 +76,9 @@ std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest re
   const bool continuation = std::any_of(req.prompt.begin(), req.prompt.end(),
                                         [&](int32_t t) { return t != tok.bos_id(); });
   s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false, continuation);
+  if (proposer_ != nullptr && req.sampling.speculative) {
+    s->draft_len = std::make_unique<DraftLength>(options_.speculative);
+  }
   s->req = std::move(req);
   return s;
 }
@@ -202,6 +213,48 @@ void Scheduler::Admit() {
   }
 }
 
+int32_t Scheduler::Draft(Sequence& s, int64_t room) {
+  s.verify.clear();
+  const int64_t want = std::min<int64_t>(s.draft_len->Next(), room);
+  if (want <= 0) return 0;
+  std::vector<int32_t> draft;
+  proposer_->Propose(s.tokens, static_cast<int32_t>(want), &draft);
+  if (draft.empty()) return 0;
+  s.verify.reserve(draft.size() + 1);
+  s.verify.push_back(s.tokens.back());
+  s.verify.insert(s.verify.end(), draft.begin(), draft.end());
+  return static_cast<int32_t>(draft.size());
+}
+
+void Scheduler::Accept(Sequence& s, float* rows) {
+  const int32_t vocab = engine_->model().config().n_vocab;
+  const int32_t k = static_cast<int32_t>(s.verify.size()) - 1;
+  ++s.n_cached;  // the pending token
+  int32_t kept = 0;
+  for (int32_t j = 0; j <= k; ++j) {
+    std::span<float> lg(rows + int64_t{j} * vocab, vocab);
+    bool accepted = false;
+    const int32_t next = j < k ? s.sampler->Verify(lg, s.tokens, s.verify[j + 1], &accepted)
+                               : s.sampler->Sample(lg, s.tokens);
+    s.tokens.push_back(next);
+    // An accepted draft's K/V were written in this step; count them before Emit, which may
+    // hand the blocks to the prefix cache up to n_cached.
+    if (accepted) {
+      ++s.n_cached;
+      ++kept;
+    }
+    ++stats_.generated_tokens;
+    Emit(s, next);
+    if (!accepted || s.done) break;
+  }
+  s.draft_len->Record(k, kept);
+  ++stats_.spec_steps;
+  stats_.spec_draft_tokens += k;
+  stats_.spec_accepted_tokens += kept;
+  if (kept < static_cast<int32_t>(stats_.accepted_hist.size())) ++stats_.accepted_hist[kept];
+  s.verify.clear();
+}
+
 absl::StatusOr<bool> Scheduler::Iterate() {
   Admit();
   if (running_.empty()) return false;
@@ -209,6 +262,14 @@ absl::StatusOr<bool> Scheduler::Iterate() {
   std::vector<SeqChunk> chunks;
   std::vector<Sequence*> chunk_seq;
   int64_t used = 0;
+  // Speculate only while the step stays small: past max_batch decoding sequences a step is no
+  // longer bound by reading the weights, and every verified token costs nearly a full one.
+  int n_decoding = 0;
+  for (const auto& sp : running_) {
+    n_decoding += static_cast<int64_t>(sp->tokens.size()) - sp->n_cached == 1;
+  }
+  const bool speculate =
+      proposer_ != nullptr && n_decoding <= options_.speculative.max_batch;
   // Decode tokens first (one each), so running streams keep their pace; then prefill chunks.
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& sp : running_) {
@@ -218,6 +279,26 @@ absl::StatusOr<bool> Scheduler::Iterate() {
       if ((pass == 0) != decoding || pending <= 0) continue;
       const int64_t n = std::min(pending, budget - used);
       if (n <= 0) continue;
+      if (decoding && speculate && s.draft_len != nullptr) {
+        // k drafts yield up to k + 1 tokens: stay within max_tokens (and so within the blocks
+        // reserved at admission) and within the step's token budget.
+        const int64_t generated =
+            static_cast<int64_t>(s.tokens.size()) - static_cast<int64_t>(s.req.prompt.size());
+        const int64_t room =
+            std::min(budget - used, int64_t{s.req.sampling.max_tokens} - generated) - 1;
+        if (const int32_t k = Draft(s, room); k > 0) {
+          SeqChunk ch;
+          ch.tokens = s.verify;
+          ch.start_pos = static_cast<int32_t>(s.n_cached);
+          ch.block_table = s.blocks;
+          ch.want_logits = true;
+          ch.n_logits = k + 1;
+          chunks.push_back(ch);
+          chunk_seq.push_back(&s);
+          used += k + 1;
+          continue;
+        }
+      }
       SeqChunk ch;
       ch.tokens = std::span<const int32_t>(s.tokens).subspan(s.n_cached, n);
       ch.start_pos = static_cast<int32_t>(s.n_cached);
@@ -240,6 +321,11 @@ absl::StatusOr<bool> Scheduler::Iterate() {
   int64_t out = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = *chunk_seq[i];
+    if (!s.verify.empty()) {
+      Accept(s, logits_.data() + out * vocab);
+      out += chunks[i].n_logits;
+      continue;
+    }
     if (s.n_cached < static_cast<int64_t>(s.req.prompt.size())) {
       stats_.prompt_tokens += static_cast<int64_t>(chunks[i].tokens.size());
     }

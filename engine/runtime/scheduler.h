@@ -13,6 +13,13 @@
 // cache instead of freeing them. Cached blocks nobody uses count as used in the pool until an
 // allocation needs them (see PrefixCache).
 //
+// With speculation on (SchedulerOptions::speculative), a decoding sequence may feed its pending
+// token plus k draft tokens from the proposer in one chunk with k+1 logit rows; Sampler::Verify
+// keeps the longest agreeing prefix and one token more. K/V written for rejected drafts lie past
+// n_cached, where nothing reads them and the next step overwrites them: the blocks were reserved
+// at admission, so rolling back is moving n_cached, and block hashes only ever cover positions
+// below it. Output (greedy, and seeded sampling) is the same as without speculation.
+//
 // Threading: single-threaded; callbacks run on the thread that calls Run/Iterate.
 #pragma once
 
@@ -27,6 +34,7 @@
 #include "engine/kv/prefix_cache.h"
 #include "engine/runtime/engine.h"
 #include "engine/sampling/sampler.h"
+#include "engine/spec/proposer.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace tandem::engine {
@@ -53,12 +61,20 @@ struct SchedulerStats {
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
   int64_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+  // Speculation: draft tokens checked, and those kept. accepted_hist[n] counts verify steps
+  // that kept n drafts (0 .. max_draft).
+  int64_t spec_steps = 0;
+  int64_t spec_draft_tokens = 0;
+  int64_t spec_accepted_tokens = 0;
+  std::vector<int64_t> accepted_hist;
 };
 
 struct SchedulerOptions {
   // Off by default: callers that account for every pool block (the decode worker, tests that
   // expect an empty pool after a run) see no change unless they ask for it.
   bool prefix_cache = false;
+  // Off unless speculative.method says otherwise.
+  SpeculativeOptions speculative;
 };
 
 class Scheduler {
@@ -101,10 +117,16 @@ class Scheduler {
   void Release(Sequence& s, bool keep = true);
   void Finish(Sequence& s, FinishReason reason, absl::Status status);
   void Admit();
+  // Fills s.verify with the pending token and up to `room` draft tokens; returns the draft count.
+  int32_t Draft(Sequence& s, int64_t room);
+  // Takes the logit rows of a verify chunk (s.verify.size() rows at `rows`): keeps the accepted
+  // drafts and one token from the target, and reports each.
+  void Accept(Sequence& s, float* rows);
 
   Engine* engine_;
   SchedulerOptions options_;
   std::unique_ptr<PrefixCache> cache_;
+  std::unique_ptr<Proposer> proposer_;  // null with speculation off
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   SchedulerStats stats_;
