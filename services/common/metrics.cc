@@ -186,6 +186,12 @@ Metrics::Metrics()
                        "Requests that ended, by finish reason.", r);
   migrations_ =
       &Register(BuildCounter(), "migrations_total", "Requests moved to another worker.", r);
+  spec_draft_ = &Register(BuildCounter(), "spec_draft_tokens_total",
+                          "Draft tokens speculative decoding verified.", r);
+  spec_accepted_ = &Register(BuildCounter(), "spec_accepted_tokens_total",
+                             "Draft tokens the target model accepted.", r);
+  spec_acceptance_ = &Register(BuildHistogram(), "spec_acceptance_length",
+                               "Draft tokens accepted per verify step.", r);
 }
 
 Metrics::~Metrics() = default;
@@ -226,6 +232,21 @@ prometheus::Counter& Metrics::KvTransportBytes(const std::string& model_name,
   l["transport"] = transport;
   l["lanes"] = lanes;
   return transport_bytes_->Add(l);
+}
+
+SpecMetrics& Metrics::Speculative(const std::string& model_name, const std::string& role,
+                                  const std::string& proposer) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<SpecMetrics>& m = spec_[{model_name, role, proposer}];
+  if (m != nullptr) return *m;
+  prometheus::Labels l = BaseLabels(model_name, role);
+  l["proposer"] = proposer;
+  // Upper bounds 0, 1, .., 16: one bucket per accepted count up to the largest --spec-tokens.
+  std::vector<double> buckets;
+  for (int n = 0; n <= 16; ++n) buckets.push_back(n);
+  m.reset(new SpecMetrics{spec_draft_->Add(l), spec_accepted_->Add(l),
+                          spec_acceptance_->Add(l, buckets)});
+  return *m;
 }
 
 void Metrics::AddScrapeHook(std::function<void()> hook) {

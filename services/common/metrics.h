@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -114,6 +115,15 @@ class ServingMetrics {
   std::string role_;
 };
 
+// Speculative decoding series of one (model, role, proposer): draft tokens verified, those
+// accepted, and how many were accepted per verify step. The decode worker advances them from
+// its scheduler's counts (engine::SchedulerStats).
+struct SpecMetrics {
+  prometheus::Counter& draft_tokens;     // spec_draft_tokens_total
+  prometheus::Counter& accepted_tokens;  // spec_accepted_tokens_total
+  prometheus::Histogram& acceptance;     // spec_acceptance_length, buckets 0, 1, .., 16
+};
+
 class Metrics {
  public:
   // Registers every DESIGN.md family (no series yet) on a registry of its own.
@@ -135,6 +145,10 @@ class Metrics {
   // by the lanes they went over (services/common/transport_metrics.h keeps it current).
   prometheus::Counter& KvTransportBytes(const std::string& model_name, const std::string& role,
                                         const std::string& transport, const std::string& lanes);
+  // The speculative series labelled proposer (its method name); created on first use, the
+  // same object afterwards.
+  SpecMetrics& Speculative(const std::string& model_name, const std::string& role,
+                           const std::string& proposer);
 
   // Runs before every scrape and Render, one hook at a time: refreshes series from a source that
   // keeps its own stats (gauges Set, counters AdvanceCounterTo). Hooks must be thread-safe with
@@ -173,6 +187,11 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* integrity_;
   prometheus::Family<prometheus::Counter>* transport_bytes_;
   prometheus::Family<prometheus::Counter>* success_;
+  prometheus::Family<prometheus::Counter>* spec_draft_;
+  prometheus::Family<prometheus::Counter>* spec_accepted_;
+  prometheus::Family<prometheus::Histogram>* spec_acceptance_;
+  std::map<std::tuple<std::string, std::string, std::string>, std::unique_ptr<SpecMetrics>>
+      spec_ ABSL_GUARDED_BY(mu_);
   prometheus::Family<prometheus::Counter>* migrations_;
 
   absl::Mutex mu_;

@@ -17,6 +17,7 @@ engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.stop_strings.assign(p.stop().begin(), p.stop().end());
   s.ignore_eos = p.ignore_eos();
+  if (p.has_speculative()) s.speculative = p.speculative();
   return s;
 }
 
@@ -35,6 +36,7 @@ v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
   for (int32_t id : s.stop_token_ids) p.add_stop_token_ids(id);
   for (const std::string& str : s.stop_strings) p.add_stop(str);
   p.set_ignore_eos(s.ignore_eos);
+  p.set_speculative(s.speculative);
   return p;
 }
 

@@ -56,6 +56,13 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--max-seqs", f->max_seqs, spec.max_seqs_help)->check(CLI::PositiveNumber);
   app.add_option("--max-batch-tokens", f->max_batch_tokens, spec.max_batch_tokens_help)
       ->check(CLI::PositiveNumber);
+  app.add_option("--speculative", f->speculative,
+                 "speculative decoding: off, ngram (prompt lookup), self:TYPE or draft:PATH "
+                 "(draft models: not yet); prefill and decode workers must agree");
+  app.add_option("--spec-tokens", f->spec_tokens, "most draft tokens verified per step (1-16)");
+  app.add_option("--spec-max-batch", f->spec_max_batch,
+                 "no speculation in a step with more decoding sequences than this")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--transport", f->transport, spec.transport_help)
       ->check(CLI::IsMember(spec.transports));
   app.add_option("--ucx-tls", f->ucx_tls, "UCX transports: shm, tcp, all or a UCX_TLS list");
@@ -89,6 +96,12 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
 absl::Status CheckWorkerDevice(const WorkerFlags& f) {
   return engine::CheckDeviceAvailable(
       engine::DeviceFromName(f.device).value_or(engine::Device::kCpu));
+}
+
+absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlags& f) {
+  absl::StatusOr<engine::SpeculativeOptions> o = engine::ParseSpeculative(f.speculative, f.spec_tokens);
+  if (o.ok()) o->max_batch = f.spec_max_batch;
+  return o;
 }
 
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {

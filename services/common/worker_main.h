@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
+#include "engine/spec/proposer.h"
 #include "services/common/metrics.h"
 #include "services/common/nccl_join.h"
 #include "services/common/tls.h"
@@ -55,6 +56,11 @@ struct WorkerFlags {
   int ctx_size = 0;
   int max_seqs = 8;
   int max_batch_tokens = 512;
+  // Speculative decoding (engine/spec/proposer.h): prefill and decode must agree (the reserve
+  // handshake checks), decode runs it.
+  std::string speculative = "off";
+  int spec_tokens = 4;
+  int spec_max_batch = 8;
   std::string transport = "ucx";
   std::string ucx_tls = "shm";
   int grace_ms = 10000;
@@ -95,6 +101,9 @@ absl::Status CheckWorkerDevice(const WorkerFlags& flags);
 
 // The engine options the shared flags describe.
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
+// --speculative, --spec-tokens and --spec-max-batch; INVALID_ARGUMENT (or UNIMPLEMENTED for the
+// draft-model forms) as engine::ParseSpeculative says.
+absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlags& flags);
 
 // The KV transport --transport and --ucx-tls name; null for "none". For nccl the worker's
 // descriptors name its advertised --host/--port (a decode worker needs a fixed --port), and

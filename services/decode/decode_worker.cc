@@ -77,7 +77,8 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
 DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine)
     : o_(o),
       engine_(std::move(engine)),
-      scheduler_(std::make_unique<engine::Scheduler>(engine_.get())),
+      scheduler_(std::make_unique<engine::Scheduler>(
+          engine_.get(), engine::SchedulerOptions{.speculative = o.speculative})),
       kv_blocks_total_(engine_->kv().pool().num_blocks()) {}
 
 DecodeWorker::~DecodeWorker() {
@@ -229,6 +230,29 @@ void DecodeWorker::PublishStats() {
       services::AdvanceCounterTo(m.prefix_cache_hits, static_cast<double>(ps.hits));
     }
   }
+  if (o_.spec_metrics != nullptr) PublishSpecStats();
+}
+
+void DecodeWorker::PublishSpecStats() {
+  const engine::SchedulerStats& st = scheduler_->stats();
+  services::SpecMetrics& sm = *o_.spec_metrics;
+  services::AdvanceCounterTo(sm.draft_tokens, static_cast<double>(st.spec_draft_tokens));
+  services::AdvanceCounterTo(sm.accepted_tokens, static_cast<double>(st.spec_accepted_tokens));
+  // The histogram's buckets are 0, 1, .., 16 and +Inf: verify steps that kept n drafts since
+  // the last publish go to bucket n.
+  spec_hist_published_.resize(st.accepted_hist.size(), 0);
+  std::vector<double> increments(18, 0.0);
+  double sum = 0;
+  bool any = false;
+  for (size_t n = 0; n < st.accepted_hist.size(); ++n) {
+    const int64_t d = st.accepted_hist[n] - spec_hist_published_[n];
+    if (d <= 0) continue;
+    increments[std::min<size_t>(n, 17)] += static_cast<double>(d);
+    sum += static_cast<double>(d) * static_cast<double>(n);
+    spec_hist_published_[n] = st.accepted_hist[n];
+    any = true;
+  }
+  if (any) sm.acceptance.ObserveMultiple(increments, sum);
 }
 
 void DecodeWorker::NoteAdmitted(absl::Time at) {
@@ -331,6 +355,7 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   const int64_t prompt_blocks = services::BlocksFor(req.prompt_tokens(), kv.block_size());
   for (int64_t i = 0; i < prompt_blocks; ++i) dst->add_block_ids(r.blocks[i]);
   services::FillKvLayout(kv, dst);
+  dst->set_speculative(engine::SpecHandshake(o_.speculative));
   resp.set_lease_expires_unix_ms(static_cast<uint64_t>(absl::ToUnixMillis(r.expires)));
   dst->set_lease_expires_unix_ms(resp.lease_expires_unix_ms());
   reservations_.emplace(id, std::move(r));

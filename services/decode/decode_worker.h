@@ -72,6 +72,10 @@ struct DecodeWorkerOptions {
   std::function<void()> before_step;
   // Where this worker's series go (labelled with its model and role); not owned, may be null.
   services::ServingMetrics* metrics = nullptr;
+  // Speculative decoding of this worker's scheduler (off by default), and its series (may be
+  // null). Its SpecHandshake goes into every reservation's destination.
+  engine::SpeculativeOptions speculative;
+  services::SpecMetrics* spec_metrics = nullptr;
 };
 
 // The events of one request, in order; the last one has finished set. Filled by the engine
@@ -151,6 +155,7 @@ class DecodeWorker {
   // The next lease expiry or quarantine release: when the idle engine thread must wake.
   absl::Time NextWake() const;
   void PublishStats();
+  void PublishSpecStats();
   absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
   absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream,
                              absl::Time arrived);
@@ -167,6 +172,8 @@ class DecodeWorker {
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<engine::Scheduler> scheduler_;
   int32_t kv_blocks_total_ = 0;
+  // accepted_hist as last added to spec_metrics (engine thread only).
+  std::vector<int64_t> spec_hist_published_;
   std::string region_bytes_;  // serialised descriptor of the registered KV pool
   uint64_t region_id_ = 0;
   bool region_registered_ = false;

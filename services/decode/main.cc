@@ -93,6 +93,16 @@ int Main(int argc, char** argv) {
   wo.default_lease = absl::Milliseconds(lease_ms);
   wo.max_lease = absl::Milliseconds(std::max(lease_ms, max_lease_ms));
   wo.quarantine = absl::Milliseconds(quarantine_ms);
+  absl::StatusOr<engine::SpeculativeOptions> spec_options = services::SpeculativeFromFlags(flags);
+  if (!spec_options.ok()) {
+    return services::FailWorker(kBinary, "--speculative", spec_options.status());
+  }
+  wo.speculative = *spec_options;
+  if (spec_options->method != engine::SpecMethod::kOff) {
+    wo.spec_metrics = &metrics.Speculative(
+        services::ModelNameFromPath(flags.model_path), role,
+        std::string(engine::SpecMethodName(spec_options->method)));
+  }
   absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> worker = decode::DecodeWorker::Create(wo);
   if (!worker.ok())
     return services::FailWorker(kBinary, "starting the decode worker", worker.status());

@@ -116,6 +116,11 @@ int Main(int argc, char** argv) {
   wo.kvstore_transport = store_transport.get();
   wo.max_transfer_time = absl::Milliseconds(max_transfer_ms);
   wo.prefix_cache = !no_prefix_cache;
+  absl::StatusOr<engine::SpeculativeOptions> spec_options = services::SpeculativeFromFlags(flags);
+  if (!spec_options.ok()) {
+    return services::FailWorker(kBinary, "--speculative", spec_options.status());
+  }
+  wo.speculative = *spec_options;
   wo.kvstore.address = kvstore;
   wo.kvstore.lookup_timeout = absl::Milliseconds(kvstore_lookup_ms);
   wo.kvstore.read_timeout = absl::Milliseconds(kvstore_read_ms);

@@ -168,6 +168,16 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
 
   const v1::KvDestination& dst = req.destination();
   TANDEM_RETURN_IF_ERROR(services::CheckSameKvShape(dst, kv));
+  // The reserve handshake: what decode speculates with must be what this worker prepares for
+  // (a draft model's KV would be computed here and sent with the target's).
+  const std::string ours = engine::SpecHandshake(o_.speculative);
+  const std::string theirs = dst.speculative().empty() ? "off" : dst.speculative();
+  if (theirs != ours) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "speculative configuration differs: prefill worker ", o_.worker_id, " runs --speculative ",
+        ours, ", decode worker ", dst.decode_worker(), " runs --speculative ", theirs,
+        "; start both pools with the same setting"));
+  }
   absl::StatusOr<transfer::RegionDescriptor> region =
       transfer::RegionDescriptor::Parse(std::string_view(dst.region()));
   if (!region.ok()) {

@@ -55,6 +55,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/kv/prefix_cache.h"
 #include "engine/runtime/engine.h"
+#include "engine/spec/proposer.h"
 #include "services/common/kv_device.h"
 #include "services/common/metrics.h"
 #include "services/prefill/kvstore_client.h"
@@ -90,6 +91,9 @@ struct PrefillWorkerOptions {
   // How long blocks stay out of the pool after a kvstore Read into them failed (the store may
   // still be writing); on top of the read's own timeout.
   absl::Duration read_quarantine = absl::Seconds(2);
+  // Must agree with the decode workers' (the destination's speculative field), checked on
+  // every Prefill. Prefill itself does no speculation for the n-gram proposer.
+  engine::SpeculativeOptions speculative;
 };
 
 class PrefillWorker {

@@ -269,7 +269,7 @@ std::optional<HttpError> ParseSampling(Fields& f, ApiKind kind, v1::SamplingPara
   constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
   std::optional<double> temperature, top_p, min_p, presence, frequency, repetition;
   std::optional<int64_t> seed, top_k, mct;
-  std::optional<bool> ignore_eos;
+  std::optional<bool> ignore_eos, speculative;
   f.Number("temperature", &temperature);
   f.Number("top_p", &top_p);
   f.Number("min_p", &min_p);
@@ -281,6 +281,8 @@ std::optional<HttpError> ParseSampling(Fields& f, ApiKind kind, v1::SamplingPara
   f.Int("max_tokens", 1, kI32, max_tokens);
   if (kind == ApiKind::kChat) f.Int("max_completion_tokens", 1, kI32, &mct);
   f.Bool("ignore_eos", &ignore_eos);
+  // Extension field, as ignore_eos is: false keeps this request off speculative decoding.
+  f.Bool("speculative", &speculative);
   if (f.error) return f.error;
   if (mct && !*max_tokens) *max_tokens = mct;
   if (temperature) s->set_temperature(static_cast<float>(*temperature));
@@ -292,6 +294,7 @@ std::optional<HttpError> ParseSampling(Fields& f, ApiKind kind, v1::SamplingPara
   if (top_k) s->set_top_k(static_cast<int32_t>(*top_k));
   s->set_seed(seed ? static_cast<uint64_t>(*seed) : RandomSeed());
   if (ignore_eos) s->set_ignore_eos(*ignore_eos);
+  if (speculative) s->set_speculative(*speculative);
   if (auto e = ParseStop(f, s)) return e;
   if (const json* v = f.Get("stop_token_ids")) {
     if (!v->is_array()) return Bad("stop_token_ids", "stop_token_ids must be an array of ids");

@@ -140,7 +140,9 @@ class WorkerKillTest : public ::testing::Test {
   }
 };
 
-TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdentically) {
+// With `speculative`, every worker runs --speculative ngram: migrated streams resume on the
+// survivor, which speculates on their tokens so far, and still equal non-speculative generate.
+void DecodeKillCase(bool speculative) {
   constexpr int kStreams = 6;
   constexpr int kTokens = 500;
   std::vector<std::string> prompts;
@@ -155,12 +157,17 @@ TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdenti
   }
   const int metrics_port = FreePort();
   FaultClusterOptions o;
-  o.name = "decode-kill";
+  o.name = speculative ? "decode-kill-spec" : "decode-kill";
   o.prefill = 1;
   o.decode = 2;
   o.ctx_size = kCtx;
   o.router_args = {"--metrics-port", std::to_string(metrics_port), "--max-migrations", "3"};
   o.decode_args = {"--quarantine-ms", "500"};
+  if (speculative) {
+    for (auto* args : {&o.prefill_args, &o.decode_args}) {
+      args->insert(args->end(), {"--speculative", "ngram", "--spec-tokens", "4"});
+    }
+  }
   FaultCluster cluster(o);
   ASSERT_TRUE(cluster.Start().ok());
   ASSERT_EQ(RouterMetric(metrics_port, "tandem_migrations_total"), 0);
@@ -232,10 +239,18 @@ TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdenti
     sum += ms;
   }
   std::fprintf(stderr,
-               "decode-0 SIGKILLed with %d of %d streams on it: all migrated to decode-1; "
+               "decode-0 SIGKILLed with %d of %d streams on it%s: all migrated to decode-1; "
                "recovery (kill -> next token) mean %.0f ms, recovery_ms=%.0f (worst)\n",
-               expected_migrations, kStreams, recovery_ms.empty() ? 0 : sum / recovery_ms.size(),
-               worst);
+               expected_migrations, kStreams, speculative ? " (speculative ngram)" : "",
+               recovery_ms.empty() ? 0 : sum / recovery_ms.size(), worst);
+}
+
+TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdentically) {
+  DecodeKillCase(/*speculative=*/false);
+}
+
+TEST_F(WorkerKillTest, SigkilledSpeculativeDecodeWorkerMidStreamCompletesIdentically) {
+  DecodeKillCase(/*speculative=*/true);
 }
 
 TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksNothing) {

@@ -97,6 +97,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   d.transport = decode_transport.get();
   d.before_step = o.before_step;
   d.quarantine = o.decode_quarantine;
+  d.speculative = o.decode_speculative;
   auto dw = decode::DecodeWorker::Create(d);
   EXPECT_TRUE(dw.ok()) << dw.status();
   decode = std::move(*dw);
@@ -105,6 +106,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   p.model = model;
   p.engine = TestEngineOptions(o.prefill_max_batch_tokens, o.kv_type);
   p.worker_id = "prefill-0";
+  p.speculative = o.prefill_speculative;
   p.transport = prefill_transport.get();
   p.before_step = o.prefill_before_step;
   p.prefix_cache = o.prefill_prefix_cache;

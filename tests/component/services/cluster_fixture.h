@@ -63,6 +63,9 @@ struct ClusterOptions {
   // tandem-kvstore for the prefill worker to onboard from and publish to (empty: none).
   std::string kvstore_address;
   absl::Duration kvstore_read_timeout = absl::Seconds(5);
+  // Each worker's speculative configuration (the reserve handshake compares them).
+  engine::SpeculativeOptions decode_speculative;
+  engine::SpeculativeOptions prefill_speculative;
 };
 
 class TestCluster {

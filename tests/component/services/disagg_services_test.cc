@@ -113,6 +113,32 @@ TEST_P(HandoffTest, ConcurrentRequestsMatchOneProcessScheduler) {
   ExpectPoolsAtRest(c);
 }
 
+// Speculation on both sides of the handoff: the decode worker verifies n-gram drafts of
+// prefilled sequences, and every output equals the one-process, non-speculative reference.
+TEST_P(HandoffTest, SpeculativeDecodeMatchesOneProcessScheduler) {
+  ClusterOptions co;
+  co.kv_type = GetParam().kv_type;
+  co.decode_speculative.method = engine::SpecMethod::kNgram;
+  co.decode_speculative.max_batch = 16;
+  co.prefill_speculative = co.decode_speculative;
+  TestCluster c(model_, co);
+  int n = 0;
+  for (int len : {5, 17, 47, 100}) {
+    for (bool seeded : {false, true}) {
+      // A phrase said three times: the proposer has something to draft from.
+      std::vector<int32_t> prompt = {1};
+      const auto phrase = TestPrompt(len / 3 + 2, 300 + len);
+      for (int r = 0; r < 3; ++r) prompt.insert(prompt.end(), phrase.begin() + 1, phrase.end());
+      const engine::SamplingParams sp = seeded ? Seeded(24, 9 + len) : Greedy(24);
+      const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+      const Generated got = c.Generate("spec-" + std::to_string(n++), prompt, sp);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      EXPECT_EQ(got.tokens, ref.tokens) << "prompt " << prompt.size() << (seeded ? " seeded" : "");
+    }
+  }
+  ExpectPoolsAtRest(c);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, HandoffTest,
                          ::testing::Values(HandoffParam{"tiny", kernels::DType::kF32},
                                            HandoffParam{"tiny", kernels::DType::kF16},
@@ -593,6 +619,36 @@ TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
     ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
   }
   ExpectPoolsAtRest(c);
+}
+
+// The reserve handshake carries decode's speculative configuration; a prefill worker set up
+// differently refuses the request before computing anything, and nothing leaks.
+TEST_F(ServicesTest, SpeculativeMismatchIsFailedPrecondition) {
+  for (bool decode_speculates : {true, false}) {
+    ClusterOptions co;
+    (decode_speculates ? co.decode_speculative : co.prefill_speculative).method =
+        engine::SpecMethod::kNgram;
+    TestCluster c(model_, co);
+    const v1::WorkerStats at_rest = c.DecodeStats();
+    const auto prompt = TestPrompt(20, 4);
+    absl::StatusOr<v1::ReserveResponse> r = c.Reserve("mismatch", 20, 8, /*lease_ms=*/300);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->destination().speculative(), decode_speculates ? "ngram" : "off");
+    v1::PrefillRequest pr;
+    pr.set_request_id("mismatch");
+    for (int32_t t : prompt) pr.add_prompt_token_ids(t);
+    *pr.mutable_sampling() = services::SamplingToProto(Greedy(8));
+    *pr.mutable_destination() = r->destination();
+    v1::PrefillResponse presp;
+    const grpc::Status st = c.Prefill(pr, &presp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_NE(st.error_message().find("speculative"), std::string::npos) << st.error_message();
+    EXPECT_EQ(c.PrefillStats().transport_bytes_written(), 0u);
+    // The unclaimed reservation expires and its blocks come back.
+    ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+      return s.reservations() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
+    })) << c.DecodeStats().DebugString();
+  }
 }
 
 TEST_F(ServicesTest, PrefillToAVanishedDecodeWorkerIsUnavailable) {

@@ -5,6 +5,7 @@
 // (where promtool is installed) that every exposition passes `promtool check metrics`.
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/transfer/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "services/common/metrics.h"
@@ -276,6 +277,65 @@ TEST_F(MetricsServicesTest, ColocatedRequestsRecordTtftAndEveryQueueWait) {
   // No KV arrived from elsewhere.
   EXPECT_EQ(SampleValue(t, Series("kv_transfer_bytes_count", "both")), 0);
   EXPECT_GT(*SampleValue(t, Series("request_queue_time_seconds_sum", "both")), 0);
+}
+
+// A speculating worker's draft and acceptance series follow its scheduler's counts, labelled
+// with the proposer; a request that opts out adds nothing.
+TEST_F(MetricsServicesTest, SpeculativeSeriesCountDraftsAndAcceptances) {
+  Metrics m;
+  decode::DecodeWorkerOptions o;
+  o.model = model_;
+  o.engine = TestEngineOptions(64, kernels::DType::kF32);
+  o.worker_id = "decode-0";
+  o.metrics = &m.Serving("tiny", "both");
+  o.speculative.method = engine::SpecMethod::kNgram;
+  o.spec_metrics = &m.Speculative("tiny", "both", "ngram");
+  auto w = decode::DecodeWorker::Create(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Scraper s(&m);
+  const std::string labels = "{model_name=\"tiny\",proposer=\"ngram\",role=\"both\"}";
+  auto run = [&](bool speculative) {
+    for (int i = 0; i < 3; ++i) {
+      v1::DecodeRequest r;
+      r.set_request_id(absl::StrCat("spec-", speculative, "-", i));
+      const auto phrase = TestPrompt(6 + i, 70 + i);
+      for (int k = 0; k < 4; ++k) {
+        for (int32_t t : phrase) r.add_prompt_token_ids(t);
+      }
+      engine::SamplingParams sp = Greedy(24);
+      sp.speculative = speculative;
+      *r.mutable_sampling() = services::SamplingToProto(sp);
+      r.set_prefill_locally(true);
+      auto st = (*w)->StartDecode(r);
+      ASSERT_TRUE(st.ok()) << st.status();
+      const Drained d = Drain(**st);
+      ASSERT_TRUE(d.status.ok()) << d.status;
+      ASSERT_EQ(d.tokens, 24);
+    }
+    EXPECT_EQ(s.WaitFor(Series("num_requests_running", "both"), 0), 0);
+  };
+  run(/*speculative=*/false);
+  std::string t = s.Get();
+  EXPECT_EQ(SampleValue(t, "tandem_spec_draft_tokens_total" + labels), 0) << t;
+  EXPECT_EQ(SampleValue(t, "tandem_spec_acceptance_length_count" + labels), 0) << t;
+  run(/*speculative=*/true);
+  // Counters move one engine turn after the last event.
+  std::optional<double> drafts;
+  for (int i = 0; i < 200 && !(drafts > 0.0); ++i) {
+    t = s.Get();
+    drafts = SampleValue(t, "tandem_spec_draft_tokens_total" + labels);
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(drafts.has_value()) << t;
+  EXPECT_GT(*drafts, 0) << t;
+  const std::optional<double> accepted =
+      SampleValue(t, "tandem_spec_accepted_tokens_total" + labels);
+  ASSERT_TRUE(accepted.has_value());
+  EXPECT_LE(*accepted, *drafts);
+  // One observation per verify step, of the drafts it kept: the sum is the accepted count.
+  EXPECT_GT(*SampleValue(t, "tandem_spec_acceptance_length_count" + labels), 0) << t;
+  EXPECT_EQ(SampleValue(t, "tandem_spec_acceptance_length_sum" + labels), *accepted) << t;
+  ExpectContractLabels(t, "both");
 }
 
 TEST_F(MetricsServicesTest, CancelledAndCorruptRequestsAreCounted) {

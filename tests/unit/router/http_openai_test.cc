@@ -97,6 +97,12 @@ TEST_F(HttpOpenAiTest, CompletionFieldsMapToTheGenerateRequest) {
   EXPECT_NE(d1.id, d2.id);
   EXPECT_EQ(d1.model, "tiny");  // the served id when the request names none
   EXPECT_FALSE(d1.stream);
+  // The speculative extension field: unset leaves it to the workers, false opts out.
+  EXPECT_FALSE(d1.generate.sampling().has_speculative());
+  OpenAiRequest off;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt": "x", "speculative": false})", &off));
+  ASSERT_TRUE(off.generate.sampling().has_speculative());
+  EXPECT_FALSE(off.generate.sampling().speculative());
 
   // Token-id prompts, bare or wrapped in a one-element batch.
   OpenAiRequest t;
@@ -148,6 +154,7 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
       {ApiKind::kCompletion, R"({"prompt": "x", "stop": 3})", "stop", "string"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stop": ["a", 1]})", "stop", "stop[1]"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stream": "yes"})", "stream", "boolean"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "speculative": 0})", "speculative", "boolean"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stream_options": {"include_usage": true}})",
        "stream_options", "stream: true"},
       {ApiKind::kCompletion, R"({"prompt": "x", "echo": true})", "echo", "not supported"},

@@ -40,6 +40,7 @@ TEST(SamplingConvertTest, SetFieldsArriveUnchanged) {
   p.add_stop_token_ids(9);
   p.add_stop("\n\n");
   p.set_ignore_eos(true);
+  p.set_speculative(false);
   const engine::SamplingParams s = SamplingFromProto(p);
   EXPECT_EQ(s.temperature, 0.0f);
   EXPECT_EQ(s.top_k, 7);
@@ -54,12 +55,15 @@ TEST(SamplingConvertTest, SetFieldsArriveUnchanged) {
   EXPECT_EQ(s.stop_token_ids, (std::vector<int32_t>{5, 9}));
   EXPECT_EQ(s.stop_strings, (std::vector<std::string>{"\n\n"}));
   EXPECT_TRUE(s.ignore_eos);
+  EXPECT_FALSE(s.speculative);
+  EXPECT_TRUE(SamplingFromProto(v1::SamplingParams()).speculative);  // unset: allowed
 
   // And back: every field explicit, so the round trip is exact.
   const engine::SamplingParams again = SamplingFromProto(SamplingToProto(s));
   EXPECT_EQ(again.top_k, 7);
   EXPECT_EQ(again.seed, s.seed);
   EXPECT_EQ(again.stop_strings, s.stop_strings);
+  EXPECT_FALSE(again.speculative);
   EXPECT_TRUE(SamplingToProto(s).has_temperature());
 }
 
