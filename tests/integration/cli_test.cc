@@ -95,6 +95,38 @@ TEST_F(StoriesTest, JsonCarriesIdsTextAndTimings) {
   EXPECT_EQ(nlohmann::json::parse(again.out)["tokens"], j["tokens"]);
 }
 
+// --speculative ngram prints the same greedy story and says how many drafts it kept; forms it
+// cannot run are refused before the model loads.
+TEST_F(StoriesTest, SpeculativeNgramKeepsTheGreedyOutput) {
+  const std::string base = "generate --model " + (kStories / "stories260K.gguf").string() +
+                           " --prompt 'Lily saw a cat. Lily saw a dog. Lily saw a cat. Lily'"
+                           " --max-tokens 64 --temperature 0 --ignore-eos --json";
+  Result plain = RunTandem(base);
+  Result spec = RunTandem(base + " --speculative ngram --spec-tokens 5");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  ASSERT_EQ(spec.exit_code, 0) << spec.err;
+  auto p = nlohmann::json::parse(plain.out), s = nlohmann::json::parse(spec.out);
+  EXPECT_EQ(s["tokens"], p["tokens"]);
+  EXPECT_EQ(s["text"], p["text"]);
+  EXPECT_EQ(p["speculative"]["method"], "off");
+  EXPECT_EQ(p["speculative"]["verify_steps"], 0);
+  EXPECT_EQ(s["speculative"]["method"], "ngram");
+  EXPECT_GT(s["speculative"]["accepted_tokens"].get<int64_t>(), 0);
+  EXPECT_GT(s["speculative"]["mean_accept_length"].get<double>(), 1.0);
+  EXPECT_LT(s["speculative"]["steps"].get<int64_t>(), p["speculative"]["steps"].get<int64_t>());
+  EXPECT_EQ(s["speculative"]["accepted_hist"].size(), 6u);
+
+  Result bad = RunTandem(base + " --speculative eagle");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("unknown --speculative"), std::string::npos) << bad.err;
+  Result k = RunTandem(base + " --speculative ngram --spec-tokens 40");
+  EXPECT_EQ(k.exit_code, 2);
+  EXPECT_NE(k.err.find("--spec-tokens"), std::string::npos) << k.err;
+  Result draft = RunTandem(base + " --speculative draft:/nowhere.gguf");
+  EXPECT_EQ(draft.exit_code, 1);
+  EXPECT_NE(draft.err.find("UNIMPLEMENTED"), std::string::npos) << draft.err;
+}
+
 TEST_F(StoriesTest, PromptLongerThanContextIsACleanError) {
   std::string prompt;
   for (int i = 0; i < 200; ++i) prompt += "Lily went to the park. ";

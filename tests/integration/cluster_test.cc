@@ -404,6 +404,31 @@ TEST_F(ClusterTest, OnePrefillOneDecodeMatchesGenerateAndMovesKvOverTheTransport
   }
 }
 
+// --speculative ngram reaches every worker: prefill and decode agree on it, decode verifies
+// drafts, and every output still equals non-speculative `tandem generate`'s, greedy and seeded.
+TEST_F(ClusterTest, SpeculativeOnePrefillOneDecodeMatchesGenerate) {
+  Cluster cluster("spec", 1, 1, " --kvstore 0 --speculative ngram --spec-tokens 4");
+  ASSERT_TRUE(cluster.up()) << cluster.error();
+  ExpectIdenticalToGenerate(cluster, /*clients=*/2);
+  Result status = RunTandem(absl::StrCat("cluster status --json --dir ", Quote(cluster.dir())));
+  ASSERT_EQ(status.exit_code, 0) << status.err;
+  int workers = 0;
+  for (const json& p : json::parse(status.out)["processes"]) {
+    if (p["role"] == "router") continue;
+    const auto args = p["args"].get<std::vector<std::string>>();
+    const auto it = std::find(args.begin(), args.end(), "--speculative");
+    ASSERT_NE(it, args.end()) << p["name"];
+    EXPECT_EQ(*(it + 1), "ngram");
+    ++workers;
+  }
+  EXPECT_EQ(workers, 2);
+  const Result bad = RunTandem(absl::StrCat(
+      "cluster up --model ", Quote(kModel.string()), " --prefill 1 --decode 1 --dir ",
+      Quote((fs::temp_directory_path() / "tandem-spec-bad").string()), " --speculative medusa"));
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("unknown --speculative"), std::string::npos) << bad.err;
+}
+
 // The deployed shape on loopback: two routers, every worker registered with both; a request
 // through either router gets the same text. --kvstore 0 leaves the kvstore out.
 TEST_F(ClusterTest, TwoRoutersBothKnowEveryWorkerAndServe) {

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/util/status_util.h"
+#include "engine/spec/proposer.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
@@ -577,6 +578,12 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   s.kv_blocks = o.kv_blocks;
   s.max_seqs = o.max_seqs;
   s.worker_args = o.worker_args;
+  // Refused here, before any process starts, rather than by each worker at its start.
+  TANDEM_RETURN_IF_ERROR(engine::ParseSpeculative(o.speculative, o.spec_tokens).status());
+  if (o.speculative != "off") {
+    s.worker_args.insert(s.worker_args.end(), {"--speculative", o.speculative, "--spec-tokens",
+                                               std::to_string(o.spec_tokens)});
+  }
   for (const std::string& a : services::TlsFlagArgs(o.tls)) s.worker_args.push_back(a);
   std::vector<std::string> roles = {"router"};
   if (o.kvstore) roles.push_back("kvstore");

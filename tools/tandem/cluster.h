@@ -57,6 +57,10 @@ struct ClusterUpOptions {
   int max_seqs = 0;                      // decode batch size; 0: the worker's default
   std::vector<std::string> router_args;  // extra flags, passed verbatim
   std::vector<std::string> worker_args;
+  // --speculative and --spec-tokens of every prefill, decode and colocated worker (they must
+  // agree); "off" leaves the flags out.
+  std::string speculative = "off";
+  int spec_tokens = 4;
   // --tls-* for every process of the cluster (and this tool's own health checks): appended to
   // router_args and worker_args.
   services::TlsOptions tls;

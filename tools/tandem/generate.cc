@@ -77,7 +77,9 @@ absl::Status RunGenerate(const GenerateOptions& o) {
     }
   };
   const std::vector<int32_t> prompt_tokens = req.prompt;
-  engine::Scheduler sched(eng.get());
+  engine::SchedulerOptions so;
+  so.speculative = o.speculative;
+  engine::Scheduler sched(eng.get(), so);
   TANDEM_RETURN_IF_ERROR(sched.Submit(std::move(req)));
   if (!o.json) {
     std::fwrite(o.prompt.data(), 1, o.prompt.size(), stdout);
@@ -109,6 +111,18 @@ absl::Status RunGenerate(const GenerateOptions& o) {
         {"decode_tokens_per_s", decode_tps},
         {"total_ms", MsSince(t_start, t_end)},
     };
+    const engine::SchedulerStats& st = sched.stats();
+    j["speculative"] = {
+        {"method", engine::SpecMethodName(o.speculative.method)},
+        {"steps", st.steps},
+        {"verify_steps", st.spec_steps},
+        {"draft_tokens", st.spec_draft_tokens},
+        {"accepted_tokens", st.spec_accepted_tokens},
+        // Tokens kept per verify step, drafts plus the target's own: 1 + accepted / steps.
+        {"mean_accept_length",
+         st.spec_steps > 0 ? 1.0 + double(st.spec_accepted_tokens) / st.spec_steps : 0.0},
+        {"accepted_hist", st.accepted_hist},
+    };
     // Invalid UTF-8 cannot occur (the streaming decoder repairs it), but stay safe.
     std::string out = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::printf("%s\n", out.c_str());
@@ -120,6 +134,13 @@ absl::Status RunGenerate(const GenerateOptions& o) {
                  "decode %.2f tok/s, finish %s\n",
                  prompt_tokens.size(), generated.size(), prompt_ms, decode_tps,
                  ReasonName(reason));
+    const engine::SchedulerStats& st = sched.stats();
+    if (o.speculative.method != engine::SpecMethod::kOff) {
+      std::fprintf(stderr, "[tandem] speculative %s: %lld of %lld draft tokens accepted\n",
+                   std::string(engine::SpecMethodName(o.speculative.method)).c_str(),
+                   static_cast<long long>(st.spec_accepted_tokens),
+                   static_cast<long long>(st.spec_draft_tokens));
+    }
   }
   return absl::OkStatus();
 }

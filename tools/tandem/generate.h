@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "engine/runtime/engine.h"
 #include "engine/sampling/sampler.h"
+#include "engine/spec/proposer.h"
 #include "tandem/kernels/dtype.h"
 
 namespace tandem::tools {
@@ -21,6 +22,8 @@ struct GenerateOptions {
   kernels::DType kv_type = kernels::DType::kF32;
   // kCuda: weights and KV cache on the GPU (engine/runtime/cuda/cuda_forward.h).
   engine::Device device = engine::Device::kCpu;
+  // --speculative / --spec-tokens (ParseSpeculative); off by default.
+  engine::SpeculativeOptions speculative;
   bool json = false;
 };
 

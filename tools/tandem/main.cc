@@ -41,6 +41,8 @@ int main(int argc, char** argv) {
   tandem::tools::GenerateOptions gen;
   std::string gen_kv_type = "f32";
   std::string gen_device = "cpu";
+  std::string gen_spec = "off";
+  int32_t gen_spec_tokens = 4;
   auto* g = app.add_subcommand("generate", "Generate text in-process on this node");
   g->add_option("--model", gen.model_path, "GGUF model file")->required();
   g->add_option("--prompt", gen.prompt, "Prompt text");
@@ -63,6 +65,9 @@ int main(int argc, char** argv) {
   g->add_option("--kv-type,--kv-dtype", gen_kv_type, "KV cache type: f32, f16, int8 or fp8");
   g->add_option("--device", gen_device,
                 "cpu, or cuda: weights and KV cache on the GPU (needs a CUDA build and a GPU)");
+  g->add_option("--speculative", gen_spec,
+                "off, ngram (prompt lookup), self:TYPE or draft:PATH (draft models: not yet)");
+  g->add_option("--spec-tokens", gen_spec_tokens, "Most draft tokens verified per step (1-16)");
   g->add_flag("--json", gen.json, "Print token ids, text and timings as JSON");
   g->callback([&] {
     auto dev = tandem::engine::DeviceFromName(gen_device);
@@ -78,6 +83,12 @@ int main(int argc, char** argv) {
       return;
     }
     gen.kv_type = *t;
+    auto spec = tandem::engine::ParseSpeculative(gen_spec, gen_spec_tokens);
+    if (!spec.ok()) {
+      rc = Report(spec.status());
+      return;
+    }
+    gen.speculative = *spec;
     rc = Report(tandem::tools::RunGenerate(gen));
   });
 
@@ -161,6 +172,9 @@ int main(int argc, char** argv) {
   cu->add_option("--max-seqs", up.max_seqs, "Decode batch size (0: worker default)");
   cu->add_option("--router-arg", up.router_args, "Extra router flag (repeatable)");
   cu->add_option("--worker-arg", up.worker_args, "Extra worker flag (repeatable)");
+  cu->add_option("--speculative", up.speculative,
+                 "Speculative decoding of every worker: off, ngram, self:TYPE or draft:PATH");
+  cu->add_option("--spec-tokens", up.spec_tokens, "Most draft tokens verified per step (1-16)");
   cu->add_option("--bin-dir", up.bin_dir, "Folder of the service binaries (default: tandem's)");
   cu->add_option("--timeout-ms", up_timeout_ms, "How long to wait for readiness");
   tandem::services::AddTlsFlags(*cu, &up.tls);
