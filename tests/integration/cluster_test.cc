@@ -413,7 +413,8 @@ TEST_F(ClusterTest, SpeculativeOnePrefillOneDecodeMatchesGenerate) {
   Result status = RunTandem(absl::StrCat("cluster status --json --dir ", Quote(cluster.dir())));
   ASSERT_EQ(status.exit_code, 0) << status.err;
   int workers = 0;
-  for (const json& p : json::parse(status.out)["processes"]) {
+  const json st = json::parse(status.out);
+  for (const json& p : st["processes"]) {
     if (p["role"] == "router") continue;
     const auto args = p["args"].get<std::vector<std::string>>();
     const auto it = std::find(args.begin(), args.end(), "--speculative");
