@@ -10,6 +10,9 @@
 //            tokens each (greedy, ignore_eos) through engine::Scheduler: aggregate generated
 //            tokens per second from submission until the last request finishes, the measure the
 //            llama-server client of run.sh also reports.
+//   verify   speculative verification's cost: one Engine::Step of a chunk of k+1 tokens with
+//            k+1 logit rows at position --decode-prompt, for k = 0 .. --verify-max, the median
+//            step time of each and its ratio to k = 0 (a plain decode step).
 //   matmul   only the weight matmuls of one step (every layer's seven and the classifier) at
 //            batch --matmul-batch: the kernel ceiling that decode's other work eats into.
 //   kernel   one thread, no pool: the first --kernel-kib KiB of rows of layer 0's gate matrix
@@ -68,6 +71,9 @@ struct Options {
   int32_t matmul_batch = 1;
   int32_t kernel_kib = 256;
   int32_t batch_tokens = 512;
+  int32_t verify_max = 8;
+  // Batch mode: the scheduler's speculation (off, or ngram with its draft length and gate).
+  engine::SpeculativeOptions speculative;
   std::string kv_type = "f16";
   uint64_t seed = 1;
   bool pack_weights = true;
@@ -166,12 +172,16 @@ struct BatchResult {
   double wall_s = 0;
   int64_t generated = 0;
   int64_t steps = 0;
+  int64_t spec_steps = 0;
+  int64_t spec_accepted = 0;
 };
 
 absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int32_t n_seqs,
                                       int32_t n_gen, std::mt19937_64& rng) {
   const int32_t vocab = eng.model().config().n_vocab;
-  engine::Scheduler sched(&eng);
+  engine::SchedulerOptions so;
+  so.speculative = o.speculative;
+  engine::Scheduler sched(&eng, so);
   int64_t generated = 0, generated_at_last_first = 0;
   int32_t started = 0;
   absl::Status failure;
@@ -206,10 +216,30 @@ absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int
   TANDEM_RETURN_IF_ERROR(failure);
   r.generated = generated;
   r.steps = sched.stats().steps;
+  r.spec_steps = sched.stats().spec_steps;
+  r.spec_accepted = sched.stats().spec_accepted_tokens;
   r.tokens_per_s = generated / r.wall_s;
   const double decode_s = SecondsSince(last_first);
   if (decode_s > 0) r.decode_tokens_per_s = (generated - generated_at_last_first) / decode_s;
   return r;
+}
+
+// Median seconds of one step verifying k drafts (a chunk of k+1 tokens, k+1 logit rows) after
+// `prefix` positions, over `iters` steps that rewrite the same positions.
+absl::StatusOr<double> VerifyStepSeconds(engine::Engine& eng, const std::vector<int32_t>& blocks,
+                                         int32_t prefix, int32_t k, int32_t iters,
+                                         std::mt19937_64& rng) {
+  const std::vector<int32_t> chunk = RandomTokens(rng, k + 1, eng.model().config().n_vocab);
+  engine::SeqChunk ch{chunk, prefix, blocks, true};
+  ch.n_logits = k + 1;
+  std::vector<float> logits;
+  std::vector<double> secs;
+  for (int32_t i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    TANDEM_RETURN_IF_ERROR(eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits));
+    secs.push_back(SecondsSince(t0));
+  }
+  return Median(secs);
 }
 
 // Every weight matmul of one step at batch `b`, through the same kernels::Matmul the engine calls.
@@ -362,9 +392,39 @@ absl::Status Run(const Options& o) {
                     {"prompt", o.seq_prompt},
                     {"n_gen", o.n_gen},
                     {"steps", last.steps},
+                    {"speculative", engine::SpecMethodName(o.speculative.method)},
+                    {"spec_steps", last.spec_steps},
+                    {"spec_accepted_tokens", last.spec_accepted},
                     {"generated", last.generated},
                     {"tokens_per_s", Series(tps)},
                     {"decode_phase_tokens_per_s", Series(dtps)}};
+    } else if (mode == "verify") {
+      const int32_t prefix = std::max(o.decode_prompt, 1);
+      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, prefix + o.verify_max + 1, 1));
+      TANDEM_ASSIGN_OR_RETURN(
+          std::vector<int32_t> blocks,
+          eng->kv().pool().AllocateN(BlocksFor(*eng, prefix + o.verify_max + 1)));
+      const std::vector<int32_t> prompt = RandomTokens(rng, prefix, c.n_vocab);
+      engine::SeqChunk pre{prompt, 0, blocks, false};
+      std::vector<float> logits;
+      TANDEM_RETURN_IF_ERROR(eng->Step(std::span<const engine::SeqChunk>(&pre, 1), &logits));
+      TANDEM_RETURN_IF_ERROR(VerifyStepSeconds(*eng, blocks, prefix, o.verify_max, 2, rng).status());
+      // Rounds over k = 0..max in turn, so drift in the machine's speed spreads over every k.
+      std::vector<std::vector<double>> ms(o.verify_max + 1);
+      for (int r = 0; r < o.reps; ++r) {
+        for (int32_t k = 0; k <= o.verify_max; ++k) {
+          TANDEM_ASSIGN_OR_RETURN(double v, VerifyStepSeconds(*eng, blocks, prefix, k, 8, rng));
+          ms[k].push_back(v * 1e3);
+        }
+      }
+      nlohmann::json rows = nlohmann::json::array();
+      const double base = Median(ms[0]);
+      for (int32_t k = 0; k <= o.verify_max; ++k) {
+        rows.push_back({{"k", k}, {"step_ms", Series(ms[k])},
+                        {"ratio_to_decode", base > 0 ? Median(ms[k]) / base : 0}});
+      }
+      eng->kv().pool().UnrefAll(blocks);
+      j["verify"] = {{"prefix", prefix}, {"steps", rows}};
     } else if (mode == "matmul") {
       util::ThreadPool pool(o.threads);
       MatmulSweep s = PrepareSweep(*model, o.matmul_batch);
@@ -407,7 +467,7 @@ absl::Status Run(const Options& o) {
       j["pool"] = {{"run_on_all_us", Series(us)}, {"run_on_all_no_spin_us", Series(sleep_us)}};
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown mode '", mode,
-                                                     "' (decode, prefill, batch, matmul, kernel, pool)"));
+                                                     "' (decode, prefill, batch, verify, matmul, kernel, pool)"));
     }
   }
   std::printf("%s\n", j.dump().c_str());
@@ -424,7 +484,15 @@ int main(int argc, char** argv) {
       "tandem engine benchmark, CPU or CUDA (decode, prefill, batched decode); JSON on stdout"};
   app.add_option("--model", o.model_path, "GGUF model")->required();
   app.add_option("--threads,-t", o.threads, "Compute threads");
-  app.add_option("--modes", modes, "Comma list of decode,prefill,batch,matmul,kernel,pool");
+  app.add_option("--modes", modes,
+                 "Comma list of decode,prefill,batch,verify,matmul,kernel,pool");
+  app.add_option("--verify-max", o.verify_max, "Largest draft count k of the verify mode");
+  std::string spec = "off";
+  int32_t spec_tokens = 4, spec_max_batch = 8;
+  app.add_option("--speculative", spec, "Batch mode: off or ngram");
+  app.add_option("--spec-tokens", spec_tokens, "Batch mode: most draft tokens per step");
+  app.add_option("--spec-max-batch", spec_max_batch,
+                 "Batch mode: no speculation with more decoding sequences than this");
   app.add_option("--reps,-r", o.reps, "Timed repetitions per mode (after one untimed)");
   app.add_option("--n-gen,-n", o.n_gen, "Generated tokens per sequence (decode, batch)");
   app.add_option("--decode-prompt", o.decode_prompt, "Untimed prompt tokens before decode");
@@ -449,6 +517,17 @@ int main(int argc, char** argv) {
   // The CUDA engine reads GGUF rows as stored: packing is a CPU layout.
   o.pack_weights = !no_pack && o.device == tandem::engine::Device::kCpu;
   o.modes = absl::StrSplit(modes, ',', absl::SkipEmpty());
+  auto parsed = tandem::engine::ParseSpeculative(spec, spec_tokens);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "engine_bench: %s\n", std::string(parsed.status().ToString()).c_str());
+    return 2;
+  }
+  o.speculative = *parsed;
+  o.speculative.max_batch = spec_max_batch;
+  if (o.verify_max < 0 || o.verify_max > 16) {
+    std::fprintf(stderr, "engine_bench: --verify-max must be in [0, 16]\n");
+    return 2;
+  }
   if (o.threads < 1 || o.reps < 1 || o.n_gen < 1 || o.n_prefill < 1 || o.n_seqs < 1 ||
       o.seq_prompt < 1 || o.matmul_batch < 1) {
     std::fprintf(stderr, "engine_bench: counts must be >= 1\n");

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Speculative decoding with and without, side by side in one run (docs/perf/speculative.md).
+#
+# usage: bench/engine/spec_bench.sh [BUILD_DIR]          (default BUILD_DIR: build)
+# env:   PAIRS (5), THREADS (2), MODEL_DIR (~/.cache/tandem/models), OUT (results folder;
+#        default a fresh mktemp folder, kept), STORIES (../shared/models/stories260K/stories260K.gguf)
+#
+# Cases, each alternating off/on PAIRS times (the order flips every pair):
+#   ngram     `tandem generate --json` at batch 1 on stories260K, greedy, 256 tokens, on prompts
+#             whose continuation repeats them; decode tok/s and the mean acceptance length.
+#   verify    engine_bench --modes verify on the llama-1b shape (Q8_0): step time of a chunk of
+#             k+1 tokens with k+1 logit rows against a 1-token decode step, k = 0..8.
+#   batch32   engine_bench --modes batch, 32 sequences, on llama-1b: off, ngram behind the
+#             default gate (8), and ngram with the gate lifted (64).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+BUILD=${1:-build}
+case $BUILD in /*) ;; *) BUILD="$ROOT/$BUILD" ;; esac
+PAIRS=${PAIRS:-5}
+THREADS=${THREADS:-2}
+MODEL_DIR=${MODEL_DIR:-$HOME/.cache/tandem/models}
+STORIES=${STORIES:-$ROOT/../shared/models/stories260K/stories260K.gguf}
+CASES=${CASES:-"ngram verify batch32"}
+OUT=${OUT:-$(mktemp -d /tmp/spec-bench.XXXXXX)}
+mkdir -p "$OUT" "$MODEL_DIR"
+RAW="$OUT/raw.jsonl"
+: >"$RAW"
+TANDEM="$BUILD/bin/tandem"
+BENCH="$BUILD/bin/engine_bench"
+log() { echo "spec-bench: $*" >&2; }
+
+# One JSON line per measurement: {"case", "variant", "pair", ...the tool's own JSON}.
+record() {  # case variant pair json
+  printf '{"case":"%s","variant":"%s","pair":%s,"result":%s}\n' "$1" "$2" "$3" "$4" >>"$RAW"
+}
+
+PROMPTS=(
+  "Lily saw a cat. Lily saw a dog. Lily saw a cat. Lily saw a dog. Lily"
+  "Tom had a red ball. Tom liked the red ball. Tom played with the red ball. Tom"
+  "Once upon a time, there was a little girl named Lily. Lily"
+)
+
+if [[ " $CASES " == *" ngram "* ]]; then
+  for ((p = 0; p < PAIRS; p++)); do
+    order=(off ngram)
+    ((p % 2)) && order=(ngram off)
+    for v in "${order[@]}"; do
+      for i in "${!PROMPTS[@]}"; do
+        j=$("$TANDEM" generate --model "$STORIES" --prompt "${PROMPTS[$i]}" --max-tokens 256 \
+          --temperature 0 --ignore-eos --threads 1 --json --speculative "$v" --spec-tokens 6)
+        record "ngram-p$i" "$v" "$p" "$j"
+      done
+    done
+  done
+fi
+
+L1B="$MODEL_DIR/llama-1b-q8_0.gguf"
+if [[ " $CASES " == *" verify "* || " $CASES " == *" batch32 "* ]] && [[ ! -f $L1B ]]; then
+  log "synthesising $L1B"
+  "$TANDEM" synth --shape llama-1b --type q8_0 --out "$L1B"
+fi
+
+if [[ " $CASES " == *" verify "* ]]; then
+  for ((p = 0; p < PAIRS; p++)); do
+    j=$("$BENCH" --model "$L1B" --threads "$THREADS" --modes verify --verify-max 8 \
+      --decode-prompt 128 --reps 3)
+    record verify - "$p" "$j"
+  done
+fi
+
+if [[ " $CASES " == *" batch32 "* ]]; then
+  for ((p = 0; p < PAIRS; p++)); do
+    variants=("off 8" "ngram 8" "ngram 64")
+    ((p % 2)) && variants=("ngram 64" "ngram 8" "off 8")
+    for v in "${variants[@]}"; do
+      read -r spec gate <<<"$v"
+      j=$("$BENCH" --model "$L1B" --threads "$THREADS" --modes batch --n-seqs 32 \
+        --seq-prompt 32 -n 32 --reps 1 --speculative "$spec" --spec-max-batch "$gate")
+      record batch32 "$spec-gate$gate" "$p" "$j"
+    done
+  done
+fi
+
+python3 "$HERE/spec_summarize.py" "$RAW" | tee "$OUT/summary.md"
+log "raw results in $RAW"
