@@ -45,6 +45,7 @@
 #include "common/util/thread_pool.h"
 #include "engine/model/model.h"
 #include "engine/runtime/engine.h"
+#include "engine/runtime/draft_proposer.h"
 #include "engine/runtime/scheduler.h"
 #include "nlohmann/json.hpp"
 #include "tandem/kernels/matmul.h"
@@ -74,6 +75,8 @@ struct Options {
   int32_t verify_max = 8;
   // Batch mode: the scheduler's speculation (off, or ngram with its draft length and gate).
   engine::SpeculativeOptions speculative;
+  // Made once (a draft model loads at start), shared by every batch run in turn.
+  std::shared_ptr<engine::Proposer> proposer;
   std::string kv_type = "f16";
   uint64_t seed = 1;
   bool pack_weights = true;
@@ -181,6 +184,7 @@ absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int
   const int32_t vocab = eng.model().config().n_vocab;
   engine::SchedulerOptions so;
   so.speculative = o.speculative;
+  so.proposer = o.proposer;
   engine::Scheduler sched(&eng, so);
   int64_t generated = 0, generated_at_last_first = 0;
   int32_t started = 0;
@@ -380,11 +384,13 @@ absl::Status Run(const Options& o) {
       j["prefill"] = {{"n_prompt", o.n_prefill}, {"tokens_per_s", Series(tps)}};
     } else if (mode == "batch") {
       TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.seq_prompt + o.n_gen, o.n_seqs));
-      TANDEM_RETURN_IF_ERROR(BatchOnce(*eng, o, std::min(o.n_seqs, 2), 2, rng).status());
+      Options bo = o;
+      TANDEM_ASSIGN_OR_RETURN(bo.proposer, engine::MakeSpecProposer(o.speculative, *eng));
+      TANDEM_RETURN_IF_ERROR(BatchOnce(*eng, bo, std::min(o.n_seqs, 2), 2, rng).status());
       std::vector<double> tps, dtps;
       BatchResult last;
       for (int r = 0; r < o.reps; ++r) {
-        TANDEM_ASSIGN_OR_RETURN(last, BatchOnce(*eng, o, o.n_seqs, o.n_gen, rng));
+        TANDEM_ASSIGN_OR_RETURN(last, BatchOnce(*eng, bo, o.n_seqs, o.n_gen, rng));
         tps.push_back(last.tokens_per_s);
         dtps.push_back(last.decode_tokens_per_s);
       }
@@ -489,7 +495,7 @@ int main(int argc, char** argv) {
   app.add_option("--verify-max", o.verify_max, "Largest draft count k of the verify mode");
   std::string spec = "off";
   int32_t spec_tokens = 4, spec_max_batch = 8;
-  app.add_option("--speculative", spec, "Batch mode: off or ngram");
+  app.add_option("--speculative", spec, "Batch mode: off, ngram, self:TYPE or draft:PATH");
   app.add_option("--spec-tokens", spec_tokens, "Batch mode: most draft tokens per step");
   app.add_option("--spec-max-batch", spec_max_batch,
                  "Batch mode: no speculation with more decoding sequences than this");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cstdlib>
 #include <limits>
 #include <thread>
@@ -42,6 +43,26 @@ absl::StatusOr<std::vector<float>> LoadVector(const gguf::GgufFile& f, const std
   return out;
 }
 
+}  // namespace
+
+bool IsWeightType(kernels::DType t) {
+  switch (t) {
+    case kernels::DType::kF32:
+    case kernels::DType::kF16:
+    case kernels::DType::kBF16:
+    case kernels::DType::kQ8_0:
+    case kernels::DType::kQ4_0:
+    case kernels::DType::kQ4_K:
+    case kernels::DType::kQ6_K:
+    case kernels::DType::kMXFP4:
+      return true;
+    default:
+      return false;
+  }
+}
+
+namespace {
+
 absl::StatusOr<WeightView> LoadMatrix(const gguf::GgufFile& f, const std::string& name,
                                       int64_t cols, int64_t rows) {
   const gguf::TensorInfo* t = f.FindTensor(name);
@@ -52,20 +73,10 @@ absl::StatusOr<WeightView> LoadMatrix(const gguf::GgufFile& f, const std::string
     return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has shape ", dims,
                                                    ", expected ", cols, "x", rows));
   }
-  switch (t->type) {
-    case kernels::DType::kF32:
-    case kernels::DType::kF16:
-    case kernels::DType::kBF16:
-    case kernels::DType::kQ8_0:
-    case kernels::DType::kQ4_0:
-    case kernels::DType::kQ4_K:
-    case kernels::DType::kQ6_K:
-    case kernels::DType::kMXFP4:
-      break;
-    default:
-      return absl::UnimplementedError(absl::StrCat("tensor ", name, " has type ",
-                                                   std::string(kernels::Traits(t->type).name),
-                                                   ", which tandem cannot use as a weight"));
+  if (!IsWeightType(t->type)) {
+    return absl::UnimplementedError(absl::StrCat("tensor ", name, " has type ",
+                                                 std::string(kernels::Traits(t->type).name),
+                                                 ", which tandem cannot use as a weight"));
   }
   return WeightView{t->type, t->data, rows, cols};
 }
@@ -141,19 +152,98 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path,
   TANDEM_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*m->file_));
   TANDEM_RETURN_IF_ERROR(m->Bind());
   m->file_->Prefault();
+  if (options.matrix_type) TANDEM_RETURN_IF_ERROR(m->ConvertMatrices(*options.matrix_type));
   if (options.pack_weights) m->PackWeights();
   return m;
 }
 
 void Model::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 
-void Model::PackWeights() {
+std::vector<WeightView*> Model::MatrixViews() {
   std::vector<WeightView*> views = {&output_};
   for (LayerWeights& l : layers_) {
     for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
       views.push_back(v);
     }
   }
+  return views;
+}
+
+namespace {
+
+// Runs work(i) for i in [0, n) on every core, each thread taking the next index.
+void ForEachOnAllCores(size_t n, const std::function<void(size_t)>& work) {
+  std::atomic<size_t> next{0};
+  auto loop = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) work(i);
+  };
+  std::vector<std::thread> threads;
+  const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned t = 1; t < n_threads; ++t) threads.emplace_back(loop);
+  loop();
+  for (std::thread& t : threads) t.join();
+}
+
+}  // namespace
+
+absl::Status Model::ConvertMatrices(kernels::DType type) {
+  if (!IsWeightType(type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot convert weights to ", std::string(kernels::Traits(type).name), " (", kWeightTypes,
+        ")"));
+  }
+  std::vector<WeightView*> views;
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (WeightView* v : MatrixViews()) {
+    if (v->type == type || v->cols % kernels::Traits(type).block_elems != 0) continue;
+    views.push_back(v);
+    offsets.push_back(total);
+    total += kernels::RowBytes(type, v->cols) * static_cast<size_t>(v->rows);
+  }
+  if (views.empty()) return absl::OkStatus();
+  converted_.reset(static_cast<uint8_t*>(std::malloc(total)));
+  if (converted_ == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", total,
+                                                     " bytes for the converted weights"));
+  }
+  // One task per block of rows, so the work spreads even over few large matrices.
+  constexpr int64_t kRows = 256;
+  std::vector<std::pair<size_t, int64_t>> tasks;
+  for (size_t i = 0; i < views.size(); ++i) {
+    for (int64_t r = 0; r < views[i]->rows; r += kRows) tasks.emplace_back(i, r);
+  }
+  std::atomic<bool> failed{false};
+  ForEachOnAllCores(tasks.size(), [&](size_t t) {
+    const auto [i, r0] = tasks[t];
+    const WeightView& v = *views[i];
+    const uint64_t src_row = kernels::RowBytes(v.type, v.cols);
+    const uint64_t dst_row = kernels::RowBytes(type, v.cols);
+    std::vector<float> row(v.cols);
+    for (int64_t r = r0; r < std::min(v.rows, r0 + kRows); ++r) {
+      kernels::DequantizeRow(v.type, static_cast<const uint8_t*>(v.data) + r * src_row, row.data(),
+                             v.cols);
+      if (!kernels::QuantizeRow(type, row.data(), converted_.get() + offsets[i] + r * dst_row,
+                                v.cols)
+               .ok()) {
+        failed = true;
+      }
+    }
+  });
+  if (failed) return absl::InternalError("weight conversion failed");
+  for (size_t i = 0; i < views.size(); ++i) {
+    WeightView& v = *views[i];
+    if (v.data != token_embd_.data) {
+      file_->Release(v.data, kernels::RowBytes(v.type, v.cols) * static_cast<uint64_t>(v.rows));
+    }
+    v.data = converted_.get() + offsets[i];
+    v.type = type;
+  }
+  return absl::OkStatus();
+}
+
+void Model::PackWeights() {
+  std::vector<WeightView*> views = MatrixViews();
   constexpr size_t kHugePage = size_t{2} << 20;
   size_t total = 0;
   std::vector<size_t> sizes;
@@ -172,21 +262,17 @@ void Model::PackWeights() {
   for (size_t i = 1; i < views.size(); ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
   // Matrices are packed by every core (about a second for a 1B model on one), each thread
   // taking the next matrix.
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < views.size();) {
-      const WeightView& v = *views[i];
-      if (sizes[i] != 0) kernels::PackWeights(v.type, v.data, v.rows, v.cols, buffer + offsets[i]);
-    }
-  };
-  std::vector<std::thread> threads;
-  const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
-  for (unsigned t = 1; t < n_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& t : threads) t.join();
+  ForEachOnAllCores(views.size(), [&](size_t i) {
+    const WeightView& v = *views[i];
+    if (sizes[i] != 0) kernels::PackWeights(v.type, v.data, v.rows, v.cols, buffer + offsets[i]);
+  });
+  bool all_packed = true;
   for (size_t i = 0; i < views.size(); ++i) {
     WeightView& v = *views[i];
-    if (sizes[i] == 0) continue;
+    if (sizes[i] == 0) {
+      all_packed = false;
+      continue;
+    }
     // The mapped rows are not read again unless the embedding table shares them (tied output).
     if (v.data != token_embd_.data) {
       file_->Release(v.data, kernels::RowBytes(v.type, v.cols) * static_cast<uint64_t>(v.rows));
@@ -194,6 +280,7 @@ void Model::PackWeights() {
     v.data = buffer + offsets[i];
     v.packed = true;
   }
+  if (all_packed) converted_.reset();
 }
 
 absl::Status Model::Bind() {

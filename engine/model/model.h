@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,11 +55,20 @@ struct WeightView {
   bool packed = false;
 };
 
+// Whether matrices of this type can be used (and written by ModelLoadOptions::matrix_type).
+bool IsWeightType(kernels::DType t);
+inline constexpr const char* kWeightTypes = "f32, f16, bf16, q8_0, q4_0, q4_K, q6_K or mxfp4";
+
 struct ModelLoadOptions {
   // Repack the matrices the forward pass multiplies by into the layout of this CPU's fastest
   // matmul kernel (kernels::PackedWeightBytes > 0), in one huge-page-backed buffer; the mapped
   // file's pages of those tensors are then given back. The embedding table stays as it is.
   bool pack_weights = true;
+  // Converts every matrix the forward pass multiplies by (not the embedding table) to this type
+  // first, through f32 rows, as `tandem quantize` would; a matrix whose row length is not a
+  // whole number of the type's blocks keeps its own type. The self-draft of speculative
+  // decoding is the target loaded this way (engine/runtime/draft_proposer.h).
+  std::optional<kernels::DType> matrix_type;
 };
 
 struct LayerWeights {
@@ -87,6 +97,9 @@ class Model {
  private:
   Model() = default;
   absl::Status Bind();
+  // The matrices PackWeights and ConvertMatrices rewrite: output, then each layer's seven.
+  std::vector<WeightView*> MatrixViews();
+  absl::Status ConvertMatrices(kernels::DType type);
   void PackWeights();
 
   struct FreeDeleter {
@@ -100,6 +113,7 @@ class Model {
   std::vector<float> output_norm_, rope_freqs_;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<uint8_t, FreeDeleter> packed_;  // every packed matrix, back to back
+  std::unique_ptr<uint8_t, FreeDeleter> converted_;  // ConvertMatrices' output, until packed
 };
 
 }  // namespace tandem::engine

@@ -19,14 +19,18 @@ struct Scheduler::Sequence {
   // (the pending token, then the drafts).
   std::unique_ptr<DraftLength> draft_len;
   std::vector<int32_t> verify;
+  std::vector<int32_t> proposed;
+  uint64_t key = 0;  // names the sequence to the proposer
   bool done = false;
 };
 
 Scheduler::Scheduler(Engine* engine, SchedulerOptions options)
     : engine_(engine), options_(options) {
   if (options_.prefix_cache) cache_ = std::make_unique<PrefixCache>(&engine_->kv().pool());
-  proposer_ = MakeProposer(options_.speculative);
+  proposer_ = options_.proposer;
+  if (proposer_ == nullptr) proposer_ = MakeProposer(options_.speculative);
   if (proposer_ != nullptr) {
+    options_.speculative.draft_cost = proposer_->draft_cost();
     stats_.accepted_hist.assign(std::max(0, options_.speculative.max_draft) + 1, 0);
   }
 }
@@ -65,7 +69,7 @@ absl::Status Scheduler::Validate(const GenerationRequest& req) const {
   return absl::OkStatus();
 }
 
-std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest req) const {
+std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest req) {
   const Tokenizer& tok = engine_->model().tokenizer();
   auto s = std::make_unique<Sequence>();
   s->tokens = req.prompt;
@@ -76,6 +80,7 @@ std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest re
   const bool continuation = std::any_of(req.prompt.begin(), req.prompt.end(),
                                         [&](int32_t t) { return t != tok.bos_id(); });
   s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false, continuation);
+  s->key = next_key_++;
   if (proposer_ != nullptr && req.sampling.speculative) {
     s->draft_len = std::make_unique<DraftLength>(options_.speculative);
   }
@@ -115,6 +120,7 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
 
 void Scheduler::Release(Sequence& s, bool keep) {
   s.done = true;
+  if (s.draft_len != nullptr) proposer_->Forget(s.key);
   if (cache_ == nullptr) {
     engine_->kv().pool().UnrefAll(s.blocks);
     s.blocks.clear();
@@ -213,17 +219,37 @@ void Scheduler::Admit() {
   }
 }
 
-int32_t Scheduler::Draft(Sequence& s, int64_t room) {
-  s.verify.clear();
-  const int64_t want = std::min<int64_t>(s.draft_len->Next(), room);
-  if (want <= 0) return 0;
-  std::vector<int32_t> draft;
-  proposer_->Propose(s.tokens, static_cast<int32_t>(want), &draft);
-  if (draft.empty()) return 0;
-  s.verify.reserve(draft.size() + 1);
-  s.verify.push_back(s.tokens.back());
-  s.verify.insert(s.verify.end(), draft.begin(), draft.end());
-  return static_cast<int32_t>(draft.size());
+void Scheduler::Draft(int64_t budget) {
+  std::vector<DraftSlot> slots;
+  std::vector<Sequence*> seqs;
+  int64_t left = budget;
+  for (auto& sp : running_) {
+    Sequence& s = *sp;
+    if (static_cast<int64_t>(s.tokens.size()) - s.n_cached != 1) continue;
+    --left;  // its pending token
+    if (s.draft_len == nullptr) continue;
+    // k drafts yield up to k + 1 tokens: stay within max_tokens (and so within the blocks
+    // reserved at admission) and within the step's token budget.
+    const int64_t generated =
+        static_cast<int64_t>(s.tokens.size()) - static_cast<int64_t>(s.req.prompt.size());
+    const int64_t want = std::min<int64_t>(
+        {s.draft_len->Next(), left, int64_t{s.req.sampling.max_tokens} - generated - 1});
+    if (want <= 0) continue;
+    left -= want;
+    slots.push_back({s.key, s.tokens, static_cast<int32_t>(want), &s.proposed});
+    seqs.push_back(&s);
+  }
+  if (slots.empty()) return;
+  if (!proposer_->ProposeBatch(slots).ok()) {
+    ++stats_.spec_proposer_failures;
+    return;
+  }
+  for (Sequence* s : seqs) {
+    if (s->proposed.empty()) continue;
+    s->verify.reserve(s->proposed.size() + 1);
+    s->verify.push_back(s->tokens.back());
+    s->verify.insert(s->verify.end(), s->proposed.begin(), s->proposed.end());
+  }
 }
 
 void Scheduler::Accept(Sequence& s, float* rows) {
@@ -268,8 +294,8 @@ absl::StatusOr<bool> Scheduler::Iterate() {
   for (const auto& sp : running_) {
     n_decoding += static_cast<int64_t>(sp->tokens.size()) - sp->n_cached == 1;
   }
-  const bool speculate =
-      proposer_ != nullptr && n_decoding <= options_.speculative.max_batch;
+  for (auto& sp : running_) sp->verify.clear();
+  if (proposer_ != nullptr && n_decoding <= options_.speculative.max_batch) Draft(budget);
   // Decode tokens first (one each), so running streams keep their pace; then prefill chunks.
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& sp : running_) {
@@ -279,25 +305,18 @@ absl::StatusOr<bool> Scheduler::Iterate() {
       if ((pass == 0) != decoding || pending <= 0) continue;
       const int64_t n = std::min(pending, budget - used);
       if (n <= 0) continue;
-      if (decoding && speculate && s.draft_len != nullptr) {
-        // k drafts yield up to k + 1 tokens: stay within max_tokens (and so within the blocks
-        // reserved at admission) and within the step's token budget.
-        const int64_t generated =
-            static_cast<int64_t>(s.tokens.size()) - static_cast<int64_t>(s.req.prompt.size());
-        const int64_t room =
-            std::min(budget - used, int64_t{s.req.sampling.max_tokens} - generated) - 1;
-        if (const int32_t k = Draft(s, room); k > 0) {
-          SeqChunk ch;
-          ch.tokens = s.verify;
-          ch.start_pos = static_cast<int32_t>(s.n_cached);
-          ch.block_table = s.blocks;
-          ch.want_logits = true;
-          ch.n_logits = k + 1;
-          chunks.push_back(ch);
-          chunk_seq.push_back(&s);
-          used += k + 1;
-          continue;
-        }
+      if (decoding && !s.verify.empty()) {
+        const int32_t k = static_cast<int32_t>(s.verify.size()) - 1;
+        SeqChunk ch;
+        ch.tokens = s.verify;
+        ch.start_pos = static_cast<int32_t>(s.n_cached);
+        ch.block_table = s.blocks;
+        ch.want_logits = true;
+        ch.n_logits = k + 1;
+        chunks.push_back(ch);
+        chunk_seq.push_back(&s);
+        used += k + 1;
+        continue;
       }
       SeqChunk ch;
       ch.tokens = std::span<const int32_t>(s.tokens).subspan(s.n_cached, n);

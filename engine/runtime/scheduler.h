@@ -67,6 +67,8 @@ struct SchedulerStats {
   int64_t spec_draft_tokens = 0;
   int64_t spec_accepted_tokens = 0;
   std::vector<int64_t> accepted_hist;
+  // Steps whose proposal failed (a draft model's engine step): they decoded without drafts.
+  int64_t spec_proposer_failures = 0;
 };
 
 struct SchedulerOptions {
@@ -75,6 +77,10 @@ struct SchedulerOptions {
   bool prefix_cache = false;
   // Off unless speculative.method says otherwise.
   SpeculativeOptions speculative;
+  // The proposer to use (MakeSpecProposer, engine/runtime/draft_proposer.h); required for the
+  // model proposers (self, draft), made from `speculative` for the others when null. One
+  // scheduler per proposer: it keys per-sequence state by the scheduler's sequence ids.
+  std::shared_ptr<Proposer> proposer;
 };
 
 class Scheduler {
@@ -109,7 +115,7 @@ class Scheduler {
  private:
   struct Sequence;
   absl::Status Validate(const GenerationRequest& req) const;
-  std::unique_ptr<Sequence> NewSequence(GenerationRequest req) const;
+  std::unique_ptr<Sequence> NewSequence(GenerationRequest req);
   // Feeds a sampled token through decoding and stop checks and reports it.
   void Emit(Sequence& s, int32_t token);
   // Gives the sequence's blocks back; with the cache on and `keep` set, its full blocks are
@@ -117,8 +123,9 @@ class Scheduler {
   void Release(Sequence& s, bool keep = true);
   void Finish(Sequence& s, FinishReason reason, absl::Status status);
   void Admit();
-  // Fills s.verify with the pending token and up to `room` draft tokens; returns the draft count.
-  int32_t Draft(Sequence& s, int64_t room);
+  // Asks the proposer, for every decoding sequence at once, for drafts within the step's token
+  // budget; a sequence with a draft gets s.verify = its pending token, then the draft.
+  void Draft(int64_t budget);
   // Takes the logit rows of a verify chunk (s.verify.size() rows at `rows`): keeps the accepted
   // drafts and one token from the target, and reports each.
   void Accept(Sequence& s, float* rows);
@@ -126,7 +133,8 @@ class Scheduler {
   Engine* engine_;
   SchedulerOptions options_;
   std::unique_ptr<PrefixCache> cache_;
-  std::unique_ptr<Proposer> proposer_;  // null with speculation off
+  std::shared_ptr<Proposer> proposer_;  // null with speculation off
+  uint64_t next_key_ = 0;               // Sequence::key, for the proposer's per-sequence state
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   SchedulerStats stats_;

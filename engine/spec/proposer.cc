@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include <filesystem>
+#include <optional>
+
 #include "absl/strings/str_cat.h"
+#include "engine/model/model.h"
 
 namespace tandem::engine {
 
@@ -11,6 +15,10 @@ std::string_view SpecMethodName(SpecMethod m) {
   switch (m) {
     case SpecMethod::kNgram:
       return "ngram";
+    case SpecMethod::kSelf:
+      return "self";
+    case SpecMethod::kDraft:
+      return "draft";
     case SpecMethod::kOff:
       break;
   }
@@ -18,7 +26,15 @@ std::string_view SpecMethodName(SpecMethod m) {
 }
 
 std::string SpecHandshake(const SpeculativeOptions& o) {
-  return std::string(SpecMethodName(o.method));
+  switch (o.method) {
+    case SpecMethod::kSelf:
+      return absl::StrCat("self:", std::string(kernels::Traits(o.self_type).name));
+    case SpecMethod::kDraft:
+      // The file name, not the path: pods mount the same model at different paths.
+      return absl::StrCat("draft:", std::filesystem::path(o.draft_path).filename().string());
+    default:
+      return std::string(SpecMethodName(o.method));
+  }
 }
 
 absl::StatusOr<SpeculativeOptions> ParseSpeculative(std::string_view spec, int32_t k) {
@@ -40,8 +56,20 @@ absl::StatusOr<SpeculativeOptions> ParseSpeculative(std::string_view spec, int32
           absl::StrCat("--speculative ", std::string(spec), " names no ",
                        spec.starts_with("self:") ? "type" : "draft model"));
     }
-    return absl::UnimplementedError(absl::StrCat(
-        "--speculative ", std::string(spec), ": draft-model proposers are not built yet; use ngram"));
+    if (spec.starts_with("draft:")) {
+      o.method = SpecMethod::kDraft;
+      o.draft_path = std::string(arg);
+      return o;
+    }
+    const std::optional<kernels::DType> type = kernels::DTypeFromName(arg);
+    if (!type || !IsWeightType(*type)) {
+      return absl::InvalidArgumentError(absl::StrCat("--speculative ", std::string(spec), ": '",
+                                                     std::string(arg), "' is not a weight type (",
+                                                     kWeightTypes, ")"));
+    }
+    o.method = SpecMethod::kSelf;
+    o.self_type = *type;
+    return o;
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown --speculative '", std::string(spec), "' (off, ngram, self:TYPE or draft:PATH)"));
@@ -68,10 +96,17 @@ void NgramProposer::Propose(std::span<const int32_t> tokens, int32_t max_draft,
   }
 }
 
+absl::Status Proposer::ProposeBatch(std::span<const DraftSlot> slots) {
+  for (const DraftSlot& s : slots) Propose(s.tokens, s.max_draft, s.draft);
+  return absl::OkStatus();
+}
+
 std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o) {
   switch (o.method) {
     case SpecMethod::kNgram:
       return std::make_unique<NgramProposer>(o.ngram_min, o.ngram_max);
+    case SpecMethod::kSelf:
+    case SpecMethod::kDraft:
     case SpecMethod::kOff:
       break;
   }
@@ -89,7 +124,7 @@ int32_t DraftLength::Next() {
   for (int32_t k = 1; k <= o_.max_draft; ++k) {
     pow *= a;
     expected += pow;
-    const double rate = expected / (1.0 + o_.verify_cost * k);
+    const double rate = expected / (1.0 + (o_.verify_cost + o_.draft_cost) * k);
     if (rate > best_rate) {
       best_rate = rate;
       best = k;

@@ -2,8 +2,9 @@
 //
 // A proposer guesses the tokens that follow a sequence; the scheduler checks k guesses in one
 // engine step (k+1 logit rows) and keeps the longest prefix the target model agrees with
-// (Sampler::Verify), so the output is the target's whatever the proposer says. Proposers here
-// are deterministic: each guess is a point mass, which is what Sampler::Verify's rule assumes.
+// (Sampler::Verify), so the output is the target's whatever the proposer says. Proposers are
+// deterministic: each guess is a point mass (a draft model proposes its greedy tokens), which is
+// what Sampler::Verify's rule assumes.
 #pragma once
 
 #include <cstdint>
@@ -14,12 +15,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tandem/kernels/dtype.h"
 
 namespace tandem::engine {
 
 enum class SpecMethod {
   kOff,
   kNgram,  // prompt lookup: continue the latest earlier occurrence of the sequence's suffix
+  kSelf,   // the target's own weights converted to self_type (self:TYPE)
+  kDraft,  // another GGUF model with the target's vocabulary (draft:PATH)
 };
 
 struct SpeculativeOptions {
@@ -33,21 +37,38 @@ struct SpeculativeOptions {
   // nearly free only while a step is bound by reading the weights (docs/perf/speculative.md).
   int32_t max_batch = 8;
   // Adaptive draft length: each sequence picks k maximising its expected tokens per unit of
-  // step time, (1 - a^(k+1)) / (1 - a) / (1 + verify_cost * k), from its running acceptance a.
+  // step time, (1 - a^(k+1)) / (1 - a) / (1 + (verify_cost + draft_cost) * k), from its running
+  // acceptance a.
   // Off: always max_draft.
   bool adaptive = true;
   // Step time of one more verified token, relative to a one-token decode step.
   double verify_cost = 0.1;
+  // Step time of proposing one draft token, relative to a one-token decode step of the target:
+  // 0 for the n-gram proposer; a draft model's proposer sets it (Proposer::draft_cost).
+  double draft_cost = 0.0;
+  // kSelf: the type the target's matrices are converted to; kDraft: the draft model's file.
+  kernels::DType self_type = kernels::DType::kQ4_0;
+  std::string draft_path;
 };
 
 std::string_view SpecMethodName(SpecMethod m);
-// What prefill and decode must agree on, exchanged in the reserve handshake: the method (and,
-// for a draft model, which one), not the draft length or the gate, which are decode's own.
+// What prefill and decode must agree on, exchanged in the reserve handshake: the method and,
+// for a model proposer, which model ("self:q4_0", "draft:<file name>"), not the draft length or
+// the gate, which are decode's own.
 std::string SpecHandshake(const SpeculativeOptions& o);
 
 // "off", "ngram", "self:TYPE" or "draft:PATH" with k draft tokens. INVALID_ARGUMENT for anything
-// else or k outside [1, 16]; UNIMPLEMENTED for the model proposers, which are not built yet.
+// else, a TYPE that is not a weight type (kWeightTypes), an empty PATH or k outside [1, 16]. The
+// draft file itself is opened only where the proposer is made (engine/runtime/draft_proposer.h).
 absl::StatusOr<SpeculativeOptions> ParseSpeculative(std::string_view spec, int32_t k);
+
+// One sequence's request in a batched proposal.
+struct DraftSlot {
+  uint64_t seq = 0;                 // the caller's id for the sequence, stable over its life
+  std::span<const int32_t> tokens;  // prompt and output so far; only ever grows for one seq
+  int32_t max_draft = 0;
+  std::vector<int32_t>* draft = nullptr;  // replaced with at most max_draft tokens
+};
 
 class Proposer {
  public:
@@ -57,6 +78,14 @@ class Proposer {
   // so far); empty when it has no guess.
   virtual void Propose(std::span<const int32_t> tokens, int32_t max_draft,
                        std::vector<int32_t>* draft) = 0;
+  // Every slot at once, so a draft model runs one step per draft position for the whole batch.
+  // A proposer that keeps per-sequence state (a draft model's K/V) keys it by DraftSlot::seq
+  // until Forget. An error leaves every slot's draft empty; the caller decodes without drafts.
+  virtual absl::Status ProposeBatch(std::span<const DraftSlot> slots);
+  // The sequence ended: drop what is kept for it.
+  virtual void Forget(uint64_t /*seq*/) {}
+  // Cost of one draft token relative to one decode step of the target (SpeculativeOptions).
+  virtual double draft_cost() const { return 0.0; }
 };
 
 // Prompt lookup: for n = ngram_max down to ngram_min, finds the latest earlier occurrence of the
@@ -73,7 +102,8 @@ class NgramProposer final : public Proposer {
   int32_t max_;
 };
 
-// The proposer for o.method; null for kOff.
+// The proposer for o.method when it needs no model (kNgram); null for kOff and the model
+// proposers, which MakeSpecProposer (engine/runtime/draft_proposer.h) makes.
 std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o);
 
 // Per-sequence acceptance tracking and the adaptive draft length.

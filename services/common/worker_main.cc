@@ -57,8 +57,9 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--max-batch-tokens", f->max_batch_tokens, spec.max_batch_tokens_help)
       ->check(CLI::PositiveNumber);
   app.add_option("--speculative", f->speculative,
-                 "speculative decoding: off, ngram (prompt lookup), self:TYPE or draft:PATH "
-                 "(draft models: not yet); prefill and decode workers must agree");
+                 "speculative decoding: off, ngram (prompt lookup), self:TYPE (the model "
+                 "converted to TYPE) or draft:PATH; decode runs the draft, and prefill and "
+                 "decode workers must agree");
   app.add_option("--spec-tokens", f->spec_tokens, "most draft tokens verified per step (1-16)");
   app.add_option("--spec-max-batch", f->spec_max_batch,
                  "no speculation in a step with more decoding sequences than this")

@@ -101,8 +101,8 @@ absl::Status CheckWorkerDevice(const WorkerFlags& flags);
 
 // The engine options the shared flags describe.
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
-// --speculative, --spec-tokens and --spec-max-batch; INVALID_ARGUMENT (or UNIMPLEMENTED for the
-// draft-model forms) as engine::ParseSpeculative says.
+// --speculative, --spec-tokens and --spec-max-batch; INVALID_ARGUMENT as engine::ParseSpeculative
+// says. A draft model is loaded later, by the decode worker (DecodeWorker::Create).
 absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlags& flags);
 
 // The KV transport --transport and --ucx-tls name; null for "none". For nccl the worker's

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/util/status_util.h"
+#include "engine/runtime/draft_proposer.h"
 #include "services/common/kv_layout.h"
 #include "services/common/kv_pool.h"
 #include "services/common/sampling_convert.h"
@@ -62,7 +63,10 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   TANDEM_RETURN_IF_ERROR(services::CheckWorkerKvPlacement(o.engine, o.transport));
   // The whole pool is one region, registered once (kv_pool.h).
   TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e, services::CreateEngineInRegion(o.model, o.engine, o.transport));
-  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine)));
+  // A draft model (--speculative self:TYPE or draft:PATH) loads here, beside the target.
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Proposer> proposer,
+                          engine::MakeSpecProposer(o.speculative, *e.engine));
+  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine), std::move(proposer)));
   if (e.region) {
     w->region_bytes_ = e.region->Serialize();
     w->region_id_ = e.region->region_id;
@@ -74,11 +78,13 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   return w;
 }
 
-DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine)
+DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine,
+                           std::shared_ptr<engine::Proposer> proposer)
     : o_(o),
       engine_(std::move(engine)),
       scheduler_(std::make_unique<engine::Scheduler>(
-          engine_.get(), engine::SchedulerOptions{.speculative = o.speculative})),
+          engine_.get(),
+          engine::SchedulerOptions{.speculative = o.speculative, .proposer = std::move(proposer)})),
       kv_blocks_total_(engine_->kv().pool().num_blocks()) {}
 
 DecodeWorker::~DecodeWorker() {

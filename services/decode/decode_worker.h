@@ -143,7 +143,8 @@ class DecodeWorker {
     absl::Time release;
   };
 
-  DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine);
+  DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine::Engine> engine,
+               std::shared_ptr<engine::Proposer> proposer);
   // Queues fn for the engine thread and waits until it ran; UNAVAILABLE after shutdown began.
   absl::Status Call(std::function<void()> fn);
   void Loop();

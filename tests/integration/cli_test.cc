@@ -124,7 +124,18 @@ TEST_F(StoriesTest, SpeculativeNgramKeepsTheGreedyOutput) {
   EXPECT_NE(k.err.find("--spec-tokens"), std::string::npos) << k.err;
   Result draft = RunTandem(base + " --speculative draft:/nowhere.gguf");
   EXPECT_EQ(draft.exit_code, 1);
-  EXPECT_NE(draft.err.find("UNIMPLEMENTED"), std::string::npos) << draft.err;
+  EXPECT_NE(draft.err.find("/nowhere.gguf"), std::string::npos) << draft.err;
+  Result type = RunTandem(base + " --speculative self:q4_1");
+  EXPECT_EQ(type.exit_code, 2);
+  EXPECT_NE(type.err.find("not a weight type"), std::string::npos) << type.err;
+
+  // The model as its own Q8_0 draft: the same story, with most drafts kept.
+  Result self = RunTandem(base + " --speculative self:q8_0 --spec-tokens 4");
+  ASSERT_EQ(self.exit_code, 0) << self.err;
+  auto q = nlohmann::json::parse(self.out);
+  EXPECT_EQ(q["tokens"], p["tokens"]);
+  EXPECT_EQ(q["speculative"]["method"], "self");
+  EXPECT_GT(q["speculative"]["mean_accept_length"].get<double>(), 2.0);
 }
 
 TEST_F(StoriesTest, PromptLongerThanContextIsACleanError) {

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
 #include "engine/model/model.h"
+#include "engine/runtime/draft_proposer.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/scheduler.h"
 #include "nlohmann/json.hpp"
@@ -79,6 +80,7 @@ absl::Status RunGenerate(const GenerateOptions& o) {
   const std::vector<int32_t> prompt_tokens = req.prompt;
   engine::SchedulerOptions so;
   so.speculative = o.speculative;
+  TANDEM_ASSIGN_OR_RETURN(so.proposer, engine::MakeSpecProposer(o.speculative, *eng));
   engine::Scheduler sched(eng.get(), so);
   TANDEM_RETURN_IF_ERROR(sched.Submit(std::move(req)));
   if (!o.json) {

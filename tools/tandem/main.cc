@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   g->add_option("--device", gen_device,
                 "cpu, or cuda: weights and KV cache on the GPU (needs a CUDA build and a GPU)");
   g->add_option("--speculative", gen_spec,
-                "off, ngram (prompt lookup), self:TYPE or draft:PATH (draft models: not yet)");
+                "off, ngram (prompt lookup), self:TYPE (the model converted to TYPE) or draft:PATH");
   g->add_option("--spec-tokens", gen_spec_tokens, "Most draft tokens verified per step (1-16)");
   g->add_flag("--json", gen.json, "Print token ids, text and timings as JSON");
   g->callback([&] {

@@ -2,6 +2,7 @@
 // transport. The tokens must equal what engine::Scheduler produces in one process, every way
 // a request can end must return the decode pool to its starting state, and a damaged block
 // must be caught before it is decoded from.
+#include <filesystem>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -113,30 +114,41 @@ TEST_P(HandoffTest, ConcurrentRequestsMatchOneProcessScheduler) {
   ExpectPoolsAtRest(c);
 }
 
-// Speculation on both sides of the handoff: the decode worker verifies n-gram drafts of
-// prefilled sequences, and every output equals the one-process, non-speculative reference.
+// Speculation on both sides of the handoff: the decode worker verifies drafts of prefilled
+// sequences (n-gram, and where the model has a file, the model as its own Q8_0 draft, whose K/V
+// decode computes from the prefilled tokens), and every output equals the one-process,
+// non-speculative reference.
 TEST_P(HandoffTest, SpeculativeDecodeMatchesOneProcessScheduler) {
-  ClusterOptions co;
-  co.kv_type = GetParam().kv_type;
-  co.decode_speculative.method = engine::SpecMethod::kNgram;
-  co.decode_speculative.max_batch = 16;
-  co.prefill_speculative = co.decode_speculative;
-  TestCluster c(model_, co);
-  int n = 0;
-  for (int len : {5, 17, 47, 100}) {
-    for (bool seeded : {false, true}) {
-      // A phrase said three times: the proposer has something to draft from.
-      std::vector<int32_t> prompt = {1};
-      const auto phrase = TestPrompt(len / 3 + 2, 300 + len);
-      for (int r = 0; r < 3; ++r) prompt.insert(prompt.end(), phrase.begin() + 1, phrase.end());
-      const engine::SamplingParams sp = seeded ? Seeded(24, 9 + len) : Greedy(24);
-      const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
-      const Generated got = c.Generate("spec-" + std::to_string(n++), prompt, sp);
-      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-      EXPECT_EQ(got.tokens, ref.tokens) << "prompt " << prompt.size() << (seeded ? " seeded" : "");
+  std::vector<std::string> methods = {"ngram"};
+  if (std::filesystem::exists(model_->file().path())) methods.push_back("self:q8_0");
+  for (const std::string& method : methods) {
+    SCOPED_TRACE(method);
+    ClusterOptions co;
+    co.kv_type = GetParam().kv_type;
+    absl::StatusOr<engine::SpeculativeOptions> spec = engine::ParseSpeculative(method, 4);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    co.decode_speculative = *spec;
+    co.decode_speculative.max_batch = 16;
+    co.decode_speculative.adaptive = false;  // draft every step, rejections included
+    co.prefill_speculative = co.decode_speculative;
+    TestCluster c(model_, co);
+    int n = 0;
+    for (int len : {5, 17, 47, 100}) {
+      for (bool seeded : {false, true}) {
+        // A phrase said three times: the n-gram proposer has something to draft from.
+        std::vector<int32_t> prompt = {1};
+        const auto phrase = TestPrompt(len / 3 + 2, 300 + len);
+        for (int r = 0; r < 3; ++r) prompt.insert(prompt.end(), phrase.begin() + 1, phrase.end());
+        const engine::SamplingParams sp = seeded ? Seeded(24, 9 + len) : Greedy(24);
+        const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+        const Generated got = c.Generate("spec-" + std::to_string(n++), prompt, sp);
+        ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+        EXPECT_EQ(got.tokens, ref.tokens)
+            << "prompt " << prompt.size() << (seeded ? " seeded" : "");
+      }
     }
+    ExpectPoolsAtRest(c);
   }
-  ExpectPoolsAtRest(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HandoffTest,
@@ -624,16 +636,21 @@ TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
 // The reserve handshake carries decode's speculative configuration; a prefill worker set up
 // differently refuses the request before computing anything, and nothing leaks.
 TEST_F(ServicesTest, SpeculativeMismatchIsFailedPrecondition) {
-  for (bool decode_speculates : {true, false}) {
+  // (decode, prefill): one side off, or two different proposers (prefill loads no draft model:
+  // decode computes the draft's K/V, so the prefill worker needs the setting only to compare).
+  const std::pair<const char*, const char*> cases[] = {
+      {"ngram", "off"}, {"off", "ngram"}, {"ngram", "self:q4_0"}};
+  for (const auto& [decode_spec, prefill_spec] : cases) {
+    SCOPED_TRACE(absl::StrCat(decode_spec, " / ", prefill_spec));
     ClusterOptions co;
-    (decode_speculates ? co.decode_speculative : co.prefill_speculative).method =
-        engine::SpecMethod::kNgram;
+    co.decode_speculative = *engine::ParseSpeculative(decode_spec, 4);
+    co.prefill_speculative = *engine::ParseSpeculative(prefill_spec, 4);
     TestCluster c(model_, co);
     const v1::WorkerStats at_rest = c.DecodeStats();
     const auto prompt = TestPrompt(20, 4);
     absl::StatusOr<v1::ReserveResponse> r = c.Reserve("mismatch", 20, 8, /*lease_ms=*/300);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->destination().speculative(), decode_speculates ? "ngram" : "off");
+    EXPECT_EQ(r->destination().speculative(), decode_spec);
     v1::PrefillRequest pr;
     pr.set_request_id("mismatch");
     for (int32_t t : prompt) pr.add_prompt_token_ids(t);
@@ -643,6 +660,8 @@ TEST_F(ServicesTest, SpeculativeMismatchIsFailedPrecondition) {
     const grpc::Status st = c.Prefill(pr, &presp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
     EXPECT_NE(st.error_message().find("speculative"), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find(decode_spec), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find(prefill_spec), std::string::npos) << st.error_message();
     EXPECT_EQ(c.PrefillStats().transport_bytes_written(), 0u);
     // The unclaimed reservation expires and its blocks come back.
     ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {

@@ -54,6 +54,19 @@ TEST(ParseSpeculativeTest, AcceptsTheDesignedForms) {
   EXPECT_EQ(SpecMethodName(ng->method), "ngram");
   EXPECT_NE(MakeProposer(*ng), nullptr);
   EXPECT_EQ(MakeProposer(*off), nullptr);
+  EXPECT_EQ(SpecHandshake(*ng), "ngram");
+  auto self = ParseSpeculative("self:Q4_0", 4);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_EQ(self->method, SpecMethod::kSelf);
+  EXPECT_EQ(self->self_type, kernels::DType::kQ4_0);
+  EXPECT_EQ(SpecHandshake(*self), "self:q4_0");
+  auto draft = ParseSpeculative("draft:/models/a/small.gguf", 3);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  EXPECT_EQ(draft->method, SpecMethod::kDraft);
+  EXPECT_EQ(draft->draft_path, "/models/a/small.gguf");
+  // Pods mount the same file at different paths: the handshake names the file only.
+  EXPECT_EQ(SpecHandshake(*draft), "draft:small.gguf");
+  EXPECT_EQ(MakeProposer(*draft), nullptr) << "model proposers come from MakeSpecProposer";
 }
 
 TEST(ParseSpeculativeTest, RefusesWhatItCannotRun) {
@@ -62,11 +75,11 @@ TEST(ParseSpeculativeTest, RefusesWhatItCannotRun) {
   EXPECT_EQ(ParseSpeculative("eagle", 4).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseSpeculative("self:", 4).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseSpeculative("draft:", 4).status().code(), absl::StatusCode::kInvalidArgument);
-  auto self = ParseSpeculative("self:q4_0", 4);
-  EXPECT_EQ(self.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(self.status().message().find("ngram"), std::string::npos) << self.status();
-  EXPECT_EQ(ParseSpeculative("draft:/m.gguf", 4).status().code(),
-            absl::StatusCode::kUnimplemented);
+  for (const char* bad : {"self:q5_9", "self:q4_1", "self:i8"}) {
+    auto self = ParseSpeculative(bad, 4);
+    EXPECT_EQ(self.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(self.status().message().find("q4_0"), std::string::npos) << self.status();
+  }
 }
 
 SpeculativeOptions Ngram(int k, double cost) {

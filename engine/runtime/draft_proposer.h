@@ -1,0 +1,79 @@
+// Speculative decoding with a draft model: `draft:PATH` (another GGUF with the target's
+// vocabulary) and `self:TYPE` (the target's own file with its matrices converted to TYPE at
+// load, e.g. a Q4_0 draft for a Q8_0 target).
+//
+// The draft runs in its own Engine with its own paged KV pool, sized like the target's (same
+// context, max_seqs and block size). Each sequence's draft K/V live in blocks of that pool,
+// keyed by DraftSlot::seq. A proposal catches the draft up on the tokens it has not seen (the
+// whole prompt the first time, afterwards the tokens the target accepted and added) and then
+// runs k one-token steps, all sequences of the batch in each, taking the draft's greedy token at
+// each: a point mass, which Sampler::Verify's rule needs. Rejected drafts' K/V are rolled back
+// by position, as in the target: the draft remembers which tokens it fed and, on the next
+// proposal, keeps only the prefix that still matches the sequence.
+//
+// In a P/D cluster the decode worker owns the draft: prefill computes only the target's K/V, and
+// decode computes the draft's prompt K/V on the sequence's first proposal
+// (docs/speculative.md measures that against sending it).
+//
+// Threading: as the Scheduler, one thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/node_hash_map.h"
+#include "absl/status/statusor.h"
+#include "engine/runtime/engine.h"
+#include "engine/spec/proposer.h"
+
+namespace tandem::engine {
+
+class DraftModelProposer final : public Proposer {
+ public:
+  // The draft must have the target's vocabulary, token for token: INVALID_ARGUMENT naming the
+  // first difference otherwise. The draft's engine takes the target's options (threads, device,
+  // context, max_seqs, block size, KV type, batch budget) and its own KV memory.
+  static absl::StatusOr<std::unique_ptr<DraftModelProposer>> Create(
+      std::string name, std::shared_ptr<const Model> draft, const Engine& target);
+
+  std::string_view name() const override { return name_; }
+  // One sequence, with no state kept: the draft computes the whole context each call.
+  void Propose(std::span<const int32_t> tokens, int32_t max_draft,
+               std::vector<int32_t>* draft) override;
+  absl::Status ProposeBatch(std::span<const DraftSlot> slots) override;
+  void Forget(uint64_t seq) override;
+  // The draft's weight bytes per token over the target's: a decode step reads its weights once,
+  // so that is what one draft step costs relative to one of the target's.
+  double draft_cost() const override { return draft_cost_; }
+
+  Engine& engine() { return *engine_; }
+  size_t num_sequences() const { return seqs_.size(); }
+
+ private:
+  struct State {
+    std::vector<int32_t> blocks;
+    std::vector<int32_t> fed;  // tokens whose K/V are in blocks, by position
+    int64_t stable = 0;        // fed[0, stable) are known to equal the sequence's tokens
+  };
+  DraftModelProposer(std::string name, std::unique_ptr<Engine> engine, double draft_cost)
+      : name_(std::move(name)), engine_(std::move(engine)), draft_cost_(draft_cost) {}
+  // Grows st's blocks to cover `positions` positions; false when the pool is out of blocks.
+  bool Cover(State& st, int64_t positions);
+
+  std::string name_;
+  std::unique_ptr<Engine> engine_;
+  double draft_cost_;
+  absl::node_hash_map<uint64_t, State> seqs_;  // node: Work keeps pointers across inserts
+  std::vector<float> logits_;
+};
+
+// The proposer o.method names: null for kOff, the n-gram proposer, or a draft model loaded for
+// `target` (kSelf: the target's own file, converted; kDraft: o.draft_path). Loading errors come
+// back as they are (NOT_FOUND for a missing file, INVALID_ARGUMENT for another vocabulary).
+absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(const SpeculativeOptions& o,
+                                                           const Engine& target);
+
+}  // namespace tandem::engine
