@@ -497,6 +497,9 @@ int main(int argc, char** argv) {
   int32_t spec_tokens = 4, spec_max_batch = 8;
   app.add_option("--speculative", spec, "Batch mode: off, ngram, self:TYPE or draft:PATH");
   app.add_option("--spec-tokens", spec_tokens, "Batch mode: most draft tokens per step");
+  bool spec_fixed = false;
+  app.add_flag("--spec-fixed", spec_fixed,
+               "Batch mode: always draft --spec-tokens (no adaptive draft length)");
   app.add_option("--spec-max-batch", spec_max_batch,
                  "Batch mode: no speculation with more decoding sequences than this");
   app.add_option("--reps,-r", o.reps, "Timed repetitions per mode (after one untimed)");
@@ -530,6 +533,7 @@ int main(int argc, char** argv) {
   }
   o.speculative = *parsed;
   o.speculative.max_batch = spec_max_batch;
+  o.speculative.adaptive = !spec_fixed;
   if (o.verify_max < 0 || o.verify_max > 16) {
     std::fprintf(stderr, "engine_bench: --verify-max must be in [0, 16]\n");
     return 2;

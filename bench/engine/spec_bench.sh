@@ -12,6 +12,10 @@
 #             k+1 tokens with k+1 logit rows against a 1-token decode step, k = 0..8.
 #   batch32   engine_bench --modes batch, 32 sequences, on llama-1b: off, ngram behind the
 #             default gate (8), and ngram with the gate lifted (64).
+#   self      engine_bench --modes batch at batch 1 on llama-1b Q8_0: off, the Q4_0 self-draft
+#             (self:q4_0) adaptive, and the same drafting 4 tokens every step (--spec-fixed);
+#             then decode and prefill of llama-1b Q8_0 and Q4_0 (the draft's step cost, and what
+#             recomputing the draft's prompt K/V on decode costs).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -57,7 +61,8 @@ if [[ " $CASES " == *" ngram "* ]]; then
 fi
 
 L1B="$MODEL_DIR/llama-1b-q8_0.gguf"
-if [[ " $CASES " == *" verify "* || " $CASES " == *" batch32 "* ]] && [[ ! -f $L1B ]]; then
+if [[ " $CASES " == *" verify "* || " $CASES " == *" batch32 "* || " $CASES " == *" self "* ]] &&
+  [[ ! -f $L1B ]]; then
   log "synthesising $L1B"
   "$TANDEM" synth --shape llama-1b --type q8_0 --out "$L1B"
 fi
@@ -79,6 +84,27 @@ if [[ " $CASES " == *" batch32 "* ]]; then
       j=$("$BENCH" --model "$L1B" --threads "$THREADS" --modes batch --n-seqs 32 \
         --seq-prompt 32 -n 32 --reps 1 --speculative "$spec" --spec-max-batch "$gate")
       record batch32 "$spec-gate$gate" "$p" "$j"
+    done
+  done
+fi
+
+if [[ " $CASES " == *" self "* ]]; then
+  L1B4="$MODEL_DIR/llama-1b-q4_0.gguf"
+  [[ -f $L1B4 ]] || "$TANDEM" quantize "$L1B" "$L1B4" --type q4_0
+  for ((p = 0; p < PAIRS; p++)); do
+    variants=("off" "self:q4_0" "self:q4_0 --spec-fixed")
+    ((p % 2)) && variants=("self:q4_0 --spec-fixed" "self:q4_0" "off")
+    for v in "${variants[@]}"; do
+      read -r spec fixed <<<"$v"
+      # shellcheck disable=SC2086  # $fixed is empty or one flag
+      j=$("$BENCH" --model "$L1B" --threads "$THREADS" --modes batch --n-seqs 1 \
+        --seq-prompt 32 -n 96 --reps 1 --speculative "$spec" --spec-tokens 4 $fixed)
+      record self "$spec${fixed:+-fixed}" "$p" "$j"
+    done
+    for m in "$L1B" "$L1B4"; do
+      j=$("$BENCH" --model "$m" --threads "$THREADS" --modes decode,prefill -n 64 \
+        --n-prefill 128 --reps 1)
+      record steps "$(basename "$m" .gguf)" "$p" "$j"
     done
   done
 fi

@@ -11,6 +11,8 @@ def main(path):
     ngram = defaultdict(lambda: defaultdict(list))  # case -> variant -> [(tps, accept)]
     verify = defaultdict(list)  # k -> [ms]
     batch = defaultdict(list)  # variant -> [tok/s]
+    selfd = defaultdict(list)  # variant -> [(decode tok/s, verify steps, accepted, drafted)]
+    steps = defaultdict(lambda: defaultdict(list))  # model -> decode/prefill -> [tok/s]
     for r in rows:
         res = r["result"]
         if r["case"].startswith("ngram"):
@@ -23,6 +25,13 @@ def main(path):
                 verify[s["k"]].append(s["step_ms"]["median"])
         elif r["case"] == "batch32":
             batch[r["variant"]].append(res["batch"]["tokens_per_s"]["median"])
+        elif r["case"] == "self":
+            b = res["batch"]
+            selfd[r["variant"]].append((b["decode_phase_tokens_per_s"]["median"],
+                                        b["spec_steps"], b["spec_accepted_tokens"], b["steps"]))
+        elif r["case"] == "steps":
+            steps[r["variant"]]["decode"].append(res["decode"]["tokens_per_s"]["median"])
+            steps[r["variant"]]["prefill"].append(res["prefill"]["tokens_per_s"]["median"])
 
     med = statistics.median
     if ngram:
@@ -49,6 +58,24 @@ def main(path):
         for v in sorted(batch):
             m = med(batch[v])
             print(f"| {v} | {m:.1f} | {m / base:.3f} |" if base else f"| {v} | {m:.1f} | - |")
+        print()
+    if selfd:
+        base = med(x[0] for x in selfd["off"])
+        print("| batch 1, llama-1b Q8_0 | decode tok/s (median) | ratio to off | verify steps | "
+              "drafts kept per verify step | engine steps |")
+        print("|---|---|---|---|---|---|")
+        for v in sorted(selfd):
+            xs = selfd[v]
+            m = med(x[0] for x in xs)
+            vs = xs[0][1]
+            kept = f"{xs[0][2] / vs:.2f}" if vs else "-"
+            print(f"| {v} | {m:.1f} | {m / base:.3f} | {vs} | {kept} | {xs[0][3]} |")
+        print()
+    if steps:
+        print("| model | decode tok/s | prefill 128 tok/s |")
+        print("|---|---|---|")
+        for m in sorted(steps):
+            print(f"| {m} | {med(steps[m]['decode']):.1f} | {med(steps[m]['prefill']):.1f} |")
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(const SpeculativeOpti
         // The CUDA engine uploads the file's own tensors; write the draft with `tandem quantize`.
         return absl::InvalidArgumentError(
             "--speculative self:TYPE runs on the CPU only; on a GPU give the draft as draft:PATH "
-            "(tandem quantize MODEL OUT TYPE writes it)");
+            "(tandem quantize MODEL OUT --type TYPE writes it)");
       }
       lo.matrix_type = o.self_type;
       TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Model> m,

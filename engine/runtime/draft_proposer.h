@@ -48,6 +48,9 @@ class DraftModelProposer final : public Proposer {
   // The draft's weight bytes per token over the target's: a decode step reads its weights once,
   // so that is what one draft step costs relative to one of the target's.
   double draft_cost() const override { return draft_cost_; }
+  // A draft model of the target's family agrees with it most of the time; the first few
+  // verify steps correct the estimate either way.
+  double prior_acceptance() const override { return 0.8; }
 
   Engine& engine() { return *engine_; }
   size_t num_sequences() const { return seqs_.size(); }

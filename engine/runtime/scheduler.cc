@@ -31,6 +31,7 @@ Scheduler::Scheduler(Engine* engine, SchedulerOptions options)
   if (proposer_ == nullptr) proposer_ = MakeProposer(options_.speculative);
   if (proposer_ != nullptr) {
     options_.speculative.draft_cost = proposer_->draft_cost();
+    options_.speculative.prior_acceptance = proposer_->prior_acceptance();
     stats_.accepted_hist.assign(std::max(0, options_.speculative.max_draft) + 1, 0);
   }
 }

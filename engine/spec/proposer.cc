@@ -130,12 +130,16 @@ int32_t DraftLength::Next() {
       best = k;
     }
   }
+  probing_ = false;
   if (best > 0) {
     idle_steps_ = 0;
+    probe_every_ = kProbeEvery;
     return best;
   }
-  if (++idle_steps_ >= kProbeEvery) {
+  if (o_.draft_cost > 0) return 0;
+  if (++idle_steps_ >= probe_every_) {
     idle_steps_ = 0;
+    probing_ = true;
     return 1;
   }
   return 0;
@@ -143,6 +147,10 @@ int32_t DraftLength::Next() {
 
 void DraftLength::Record(int32_t drafted, int32_t accepted) {
   if (drafted <= 0) return;
+  if (probing_) {
+    probe_every_ = accepted > 0 ? kProbeEvery : std::min(2 * probe_every_, kMaxProbeEvery);
+    probing_ = false;
+  }
   // Older steps weigh less, so the estimate follows a sequence whose text changes character.
   constexpr double kKeep = 0.9;
   hits_ = kKeep * hits_ + accepted;

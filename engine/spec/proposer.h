@@ -46,6 +46,9 @@ struct SpeculativeOptions {
   // Step time of proposing one draft token, relative to a one-token decode step of the target:
   // 0 for the n-gram proposer; a draft model's proposer sets it (Proposer::draft_cost).
   double draft_cost = 0.0;
+  // The acceptance a sequence starts with, before any of its drafts is judged (a draft model's
+  // proposer raises it: Proposer::prior_acceptance).
+  double prior_acceptance = 0.5;
   // kSelf: the type the target's matrices are converted to; kDraft: the draft model's file.
   kernels::DType self_type = kernels::DType::kQ4_0;
   std::string draft_path;
@@ -84,8 +87,10 @@ class Proposer {
   virtual absl::Status ProposeBatch(std::span<const DraftSlot> slots);
   // The sequence ended: drop what is kept for it.
   virtual void Forget(uint64_t /*seq*/) {}
-  // Cost of one draft token relative to one decode step of the target (SpeculativeOptions).
+  // Cost of one draft token relative to one decode step of the target, and the acceptance to
+  // assume before any is judged (SpeculativeOptions).
   virtual double draft_cost() const { return 0.0; }
+  virtual double prior_acceptance() const { return 0.5; }
 };
 
 // Prompt lookup: for n = ngram_max down to ngram_min, finds the latest earlier occurrence of the
@@ -109,10 +114,15 @@ std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o);
 // Per-sequence acceptance tracking and the adaptive draft length.
 class DraftLength {
  public:
-  explicit DraftLength(const SpeculativeOptions& o) : o_(o) {}
+  explicit DraftLength(const SpeculativeOptions& o)
+      : o_(o), hits_(2.0 * o.prior_acceptance), trials_(2.0) {}
   // Draft tokens to ask for in the next step, 0..max_draft. With adaptive on, a sequence whose
-  // acceptance makes speculation a loss still drafts one token every kProbeEvery steps, so it can
-  // recover when its text starts repeating.
+  // acceptance makes speculation a loss still drafts one probe token now and then, so it can
+  // recover when its text starts repeating: after kProbeEvery idle steps at first, twice as long
+  // after each probe that is rejected (up to kMaxProbeEvery), and back to kProbeEvery once one
+  // is kept. With a draft model (draft_cost > 0) there are no probes: the draft would first
+  // catch up on every token it skipped, a prefill whose cost grows with the gap, so probing
+  // costs about the same share of the time however rare it is.
   int32_t Next();
   // `accepted` of `drafted` tokens were kept (drafted >= 1).
   void Record(int32_t drafted, int32_t accepted);
@@ -120,14 +130,17 @@ class DraftLength {
   double acceptance() const { return hits_ / trials_; }
 
   static constexpr int kProbeEvery = 8;
+  static constexpr int kMaxProbeEvery = 128;
 
  private:
   SpeculativeOptions o_;
   // Discounted counts of accepted draft tokens and of draft tokens judged (the first rejected
-  // one counts; those after it were never judged). Prior: a = 0.5.
-  double hits_ = 1.0;
-  double trials_ = 2.0;
+  // one counts; those after it were never judged), from a prior of two drafts.
+  double hits_;
+  double trials_;
   int idle_steps_ = 0;
+  int probe_every_ = kProbeEvery;
+  bool probing_ = false;  // the last Next() was a probe
 };
 
 }  // namespace tandem::engine

@@ -110,6 +110,46 @@ TEST(DraftLengthTest, LengthFollowsAcceptance) {
   EXPECT_EQ(drafted_steps, 4);
 }
 
+// Rejected probes space the next ones out, twice as far each time up to kMaxProbeEvery; a kept
+// probe brings the period back.
+TEST(DraftLengthTest, RejectedProbesBackOff) {
+  DraftLength d(Ngram(4, 0.1));
+  for (int i = 0; i < 60; ++i) d.Record(4, 0);
+  std::vector<int> gaps;
+  int since = 0;
+  for (int i = 0; i < 2000 && gaps.size() < 7; ++i) {
+    ++since;
+    if (d.Next() == 1) {
+      gaps.push_back(since);
+      since = 0;
+      d.Record(1, 0);
+    }
+  }
+  EXPECT_EQ(gaps, (std::vector<int>{8, 16, 32, 64, 128, 128, 128}));
+  // A kept probe: the sequence drafts again within kProbeEvery steps (at once, if the raised
+  // acceptance estimate already makes drafting pay).
+  for (int i = 0; i < 127; ++i) EXPECT_EQ(d.Next(), 0);
+  ASSERT_EQ(d.Next(), 1);
+  d.Record(1, 1);
+  int gap = 0;
+  while (d.Next() == 0) ++gap;
+  EXPECT_LT(gap, DraftLength::kProbeEvery);
+}
+
+// A draft model's proposer starts from its own prior and, once drafting loses, never probes.
+TEST(DraftLengthTest, ModelDraftsStartHopefulAndStopForGood) {
+  SpeculativeOptions o = Ngram(4, 0.1);
+  o.draft_cost = 0.6;
+  o.prior_acceptance = 0.8;
+  DraftLength d(o);
+  EXPECT_NEAR(d.acceptance(), 0.8, 1e-12);
+  EXPECT_GE(d.Next(), 1);
+  o.prior_acceptance = 0.5;
+  EXPECT_EQ(DraftLength(o).Next(), 0) << "at a = 0.5 a draft costing 0.6 a token loses";
+  for (int i = 0; i < 10; ++i) d.Record(2, 0);
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(d.Next(), 0) << "step " << i;
+}
+
 TEST(DraftLengthTest, CostlierVerificationDraftsLess) {
   DraftLength cheap(Ngram(8, 0.02)), dear(Ngram(8, 0.5));
   for (int i = 0; i < 30; ++i) {
