@@ -430,6 +430,14 @@ TEST_F(ClusterTest, SpeculativeOnePrefillOneDecodeMatchesGenerate) {
   EXPECT_NE(bad.err.find("unknown --speculative"), std::string::npos) << bad.err;
 }
 
+// The model as its own Q4_0 draft across processes: the decode worker loads the draft and
+// computes its prompt K/V from the prefilled tokens; 20 prompts equal `tandem generate`'s.
+TEST_F(ClusterTest, SelfDraftOnePrefillOneDecodeMatchesGenerate) {
+  Cluster cluster("selfdraft", 1, 1, " --kvstore 0 --speculative self:q4_0 --spec-tokens 3");
+  ASSERT_TRUE(cluster.up()) << cluster.error();
+  ExpectIdenticalToGenerate(cluster, /*clients=*/2);
+}
+
 // The deployed shape on loopback: two routers, every worker registered with both; a request
 // through either router gets the same text. --kvstore 0 leaves the kvstore out.
 TEST_F(ClusterTest, TwoRoutersBothKnowEveryWorkerAndServe) {
