@@ -113,7 +113,69 @@ std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o) {
   return nullptr;
 }
 
-int32_t DraftLength::Next() {
+SpecCostModel::SpecCostModel(const SpeculativeOptions& o)
+    : prior_verify_(o.verify_cost),
+      prior_draft_(o.draft_cost),
+      fits_(static_cast<size_t>(std::clamp(o.max_batch, 1, kMaxBatch)) + 1) {}
+
+const SpecCostModel::Fit& SpecCostModel::at(int32_t decoding) const {
+  return fits_[static_cast<size_t>(std::clamp<int64_t>(decoding, 1, fits_.size() - 1))];
+}
+
+SpecCostModel::Fit& SpecCostModel::at(int32_t decoding) {
+  return fits_[static_cast<size_t>(std::clamp<int64_t>(decoding, 1, fits_.size() - 1))];
+}
+
+void SpecCostModel::ObserveStep(int32_t decoding, int32_t drafts, double seconds) {
+  if (decoding <= 0 || seconds <= 0) return;
+  Fit& f = at(decoding);
+  const double x = drafts;
+  f.w = kForget * f.w + 1;
+  f.x = kForget * f.x + x;
+  f.y = kForget * f.y + seconds;
+  f.xx = kForget * f.xx + x * x;
+  f.xy = kForget * f.xy + x * seconds;
+}
+
+void SpecCostModel::ObserveDraftStep(int32_t decoding, double step_seconds) {
+  if (decoding <= 0 || step_seconds <= 0) return;
+  Fit& f = at(decoding);
+  f.draft_step = f.draft_step == 0 ? step_seconds : 0.8 * f.draft_step + 0.2 * step_seconds;
+}
+
+bool SpecCostModel::Solve(const Fit& f, double* alpha, double* beta) {
+  if (f.w < 4) return false;
+  const double mx = f.x / f.w;
+  const double my = f.y / f.w;
+  const double var = f.xx / f.w - mx * mx;
+  // K must have varied (by about one draft token or more) for the slope to mean anything.
+  if (var < 0.2) return false;
+  *beta = std::max(0.0, (f.xy / f.w - mx * my) / var);
+  *alpha = my - *beta * mx;
+  return *alpha > 0;
+}
+
+double SpecCostModel::verify_cost(int32_t decoding) const {
+  double alpha = 0, beta = 0;
+  if (!Solve(at(decoding), &alpha, &beta)) return prior_verify_;
+  return std::min(4.0, std::max(1, decoding) * beta / alpha);
+}
+
+double SpecCostModel::draft_cost(int32_t decoding) const {
+  const Fit& f = at(decoding);
+  double alpha = 0, beta = 0;
+  if (f.draft_step <= 0) return prior_draft_;
+  // A plain step's time: the fit's intercept, or the mean step time when K never varied.
+  if (!Solve(f, &alpha, &beta)) {
+    if (f.w < 4 || f.x > 0) return prior_draft_;
+    alpha = f.y / f.w;
+  }
+  return std::min(4.0, f.draft_step / alpha);
+}
+
+int32_t DraftLength::Next() { return Next(o_.verify_cost + o_.draft_cost); }
+
+int32_t DraftLength::Next(double draft_token_cost) {
   if (o_.method == SpecMethod::kOff || o_.max_draft <= 0) return 0;
   if (!o_.adaptive) return o_.max_draft;
   const double a = std::clamp(acceptance(), 0.0, 0.999);
@@ -124,7 +186,7 @@ int32_t DraftLength::Next() {
   for (int32_t k = 1; k <= o_.max_draft; ++k) {
     pow *= a;
     expected += pow;
-    const double rate = expected / (1.0 + (o_.verify_cost + o_.draft_cost) * k);
+    const double rate = expected / (1.0 + draft_token_cost * k);
     if (rate > best_rate) {
       best_rate = rate;
       best = k;

@@ -85,12 +85,21 @@ class Proposer {
   // A proposer that keeps per-sequence state (a draft model's K/V) keys it by DraftSlot::seq
   // until Forget. An error leaves every slot's draft empty; the caller decodes without drafts.
   virtual absl::Status ProposeBatch(std::span<const DraftSlot> slots);
-  // The sequence ended: drop what is kept for it.
+  // The sequence ended: drop what is kept for it. Called for every sequence of a scheduler
+  // with a proposer, whether it speculated or not.
   virtual void Forget(uint64_t /*seq*/) {}
+  // A draft model's proposer only: takes `blocks` of its own KV pool, which already hold the
+  // draft's K/V of `tokens` (positions 0 .. tokens.size()-1, computed elsewhere: the prefill
+  // worker), as sequence `seq`'s state; they go back to the pool at Forget.
+  virtual void Adopt(uint64_t /*seq*/, std::span<const int32_t> /*tokens*/,
+                     std::vector<int32_t> /*blocks*/) {}
   // Cost of one draft token relative to one decode step of the target, and the acceptance to
   // assume before any is judged (SpeculativeOptions).
   virtual double draft_cost() const { return 0.0; }
   virtual double prior_acceptance() const { return 0.5; }
+  // Wall seconds per draft position of the last ProposeBatch (one draft step for the whole
+  // batch), catching up excluded; 0 when it ran none or costs nothing worth measuring.
+  virtual double last_step_seconds() const { return 0.0; }
 };
 
 // Prompt lookup: for n = ngram_max down to ngram_min, finds the latest earlier occurrence of the
@@ -111,6 +120,41 @@ class NgramProposer final : public Proposer {
 // proposers, which MakeSpecProposer (engine/runtime/draft_proposer.h) makes.
 std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o);
 
+// What speculation costs on this engine, learned from the scheduler's own step timings, per
+// number of decoding sequences B (1 .. max_batch): a decode step's time T(B, K) with K draft
+// tokens in all is fitted as alpha + beta * K by least squares with old steps forgotten
+// (weights decay by kForget a step), so verify_cost(B) = B * beta / alpha: one draft token for
+// each sequence costs that share of a plain step. A draft model's step time per draft position
+// over alpha gives draft_cost(B). Until a B has steps with different K (or any draft steps),
+// the options' priors answer. Single-threaded, as the scheduler.
+class SpecCostModel {
+ public:
+  explicit SpecCostModel(const SpeculativeOptions& o);
+  // A step of `decoding` sequences, with `drafts` draft tokens among them and no prefill rows.
+  void ObserveStep(int32_t decoding, int32_t drafts, double seconds);
+  // A proposal for `decoding` sequences whose draft steps took `step_seconds` each.
+  void ObserveDraftStep(int32_t decoding, double step_seconds);
+  double verify_cost(int32_t decoding) const;
+  double draft_cost(int32_t decoding) const;
+
+  static constexpr double kForget = 0.97;
+  static constexpr int32_t kMaxBatch = 256;  // B above this shares the last entry
+
+ private:
+  struct Fit {
+    double w = 0, x = 0, y = 0, xx = 0, xy = 0;  // decayed sums of 1, K, T, K^2, K*T
+    double draft_step = 0;                       // EWMA of a draft step's seconds; 0: none yet
+  };
+  const Fit& at(int32_t decoding) const;
+  Fit& at(int32_t decoding);
+  // alpha and beta of a fit when K varied enough to tell them apart; false otherwise.
+  static bool Solve(const Fit& f, double* alpha, double* beta);
+
+  double prior_verify_;
+  double prior_draft_;
+  std::vector<Fit> fits_;
+};
+
 // Per-sequence acceptance tracking and the adaptive draft length.
 class DraftLength {
  public:
@@ -124,6 +168,9 @@ class DraftLength {
   // catch up on every token it skipped, a prefill whose cost grows with the gap, so probing
   // costs about the same share of the time however rare it is.
   int32_t Next();
+  // The same with the price of one draft token (verification plus proposing, relative to a
+  // one-token step) given: what SpecCostModel measured for the step's batch.
+  int32_t Next(double draft_token_cost);
   // `accepted` of `drafted` tokens were kept (drafted >= 1).
   void Record(int32_t drafted, int32_t accepted);
   // The running per-token acceptance estimate.

@@ -1,6 +1,8 @@
 // The n-gram proposer, the --speculative parser and the adaptive draft length.
 #include "engine/spec/proposer.h"
 
+#include <random>
+
 #include "gtest/gtest.h"
 
 namespace tandem::engine {
@@ -167,6 +169,51 @@ TEST(DraftLengthTest, FixedLengthWithoutAdaptation) {
   EXPECT_EQ(d.Next(), 5);
   SpeculativeOptions off;
   EXPECT_EQ(DraftLength(off).Next(), 0);
+}
+
+// The cost model answers with the priors until it has seen steps that tell the slope apart,
+// then recovers alpha and beta from noisy timings of a known line, per batch size.
+TEST(SpecCostModelTest, LearnsTheCostOfADraftTokenFromStepTimes) {
+  SpeculativeOptions o = Ngram(6, 0.1);
+  o.draft_cost = 0.3;
+  o.max_batch = 8;
+  SpecCostModel m(o);
+  EXPECT_DOUBLE_EQ(m.verify_cost(1), 0.1);
+  EXPECT_DOUBLE_EQ(m.draft_cost(1), 0.3);
+  // Steps that never draft: nothing to learn a slope from.
+  for (int i = 0; i < 50; ++i) m.ObserveStep(1, 0, 1e-3);
+  EXPECT_DOUBLE_EQ(m.verify_cost(1), 0.1);
+  // At B = 1 a step costs 1 ms + 0.4 ms per draft token; at B = 4, 2 ms + 0.2 ms per token.
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> k(0, 6);
+  std::uniform_real_distribution<double> noise(0.97, 1.03);
+  for (int i = 0; i < 400; ++i) {
+    const int k1 = k(rng), k4 = k(rng);
+    m.ObserveStep(1, k1, (1e-3 + 0.4e-3 * k1) * noise(rng));
+    m.ObserveStep(4, k4, (2e-3 + 0.2e-3 * k4) * noise(rng));
+  }
+  EXPECT_NEAR(m.verify_cost(1), 0.4, 0.05);
+  EXPECT_NEAR(m.verify_cost(4), 4 * 0.2 / 2.0, 0.06) << "B draft tokens, one per sequence";
+  EXPECT_DOUBLE_EQ(m.verify_cost(2), 0.1) << "B = 2 has seen no steps";
+  // Draft steps of 0.5 ms against B = 1's 1 ms plain step.
+  for (int i = 0; i < 20; ++i) m.ObserveDraftStep(1, 0.5e-3);
+  EXPECT_NEAR(m.draft_cost(1), 0.5, 0.05);
+  EXPECT_DOUBLE_EQ(m.draft_cost(2), 0.3);
+  // The new line replaces the old one as old steps are forgotten.
+  for (int i = 0; i < 600; ++i) {
+    const int k1 = k(rng);
+    m.ObserveStep(1, k1, (1e-3 + 0.05e-3 * k1) * noise(rng));
+  }
+  EXPECT_NEAR(m.verify_cost(1), 0.05, 0.02);
+}
+
+// With the price of a draft token measured, the draft length follows it: cheap verification
+// drafts long, dear verification stops drafting at the same acceptance.
+TEST(SpecCostModelTest, DraftLengthFollowsTheMeasuredPrice) {
+  DraftLength d(Ngram(6, 0.1));
+  for (int i = 0; i < 30; ++i) d.Record(4, 3);
+  EXPECT_GE(d.Next(0.02), 5);
+  EXPECT_EQ(d.Next(0.9), 0);
 }
 
 }  // namespace
