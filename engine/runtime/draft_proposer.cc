@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/util/status_util.h"
 
 namespace tandem::engine {
@@ -32,19 +33,27 @@ absl::Status CheckSameVocabulary(const Model& draft, const Model& target) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DraftModelProposer>> DraftModelProposer::Create(
-    std::string name, std::shared_ptr<const Model> draft, const Engine& target) {
+    std::string name, std::shared_ptr<const Model> draft, const Engine& target,
+    const EngineFactory& make_engine) {
   if (draft == nullptr) return absl::InvalidArgumentError("no draft model");
   TANDEM_RETURN_IF_ERROR(CheckSameVocabulary(*draft, target.model()));
+  const EngineOptions o = DraftEngineOptions(target);
+  const double cost =
+      static_cast<double>(draft->weight_bytes_per_token()) /
+      static_cast<double>(std::max<uint64_t>(1, target.model().weight_bytes_per_token()));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                          make_engine ? make_engine(std::move(draft), o)
+                                      : Engine::Create(std::move(draft), o));
+  return std::unique_ptr<DraftModelProposer>(
+      new DraftModelProposer(std::move(name), std::move(engine), std::clamp(cost, 0.01, 1.0)));
+}
+
+EngineOptions DraftEngineOptions(const Engine& target) {
   EngineOptions o = target.options();
   o.kv_blocks = 0;  // enough for max_seqs full contexts of the draft's own shape
   o.kv_memory = nullptr;
   o.kv_memory_bytes = 0;
-  const double cost =
-      static_cast<double>(draft->weight_bytes_per_token()) /
-      static_cast<double>(std::max<uint64_t>(1, target.model().weight_bytes_per_token()));
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(std::move(draft), o));
-  return std::unique_ptr<DraftModelProposer>(
-      new DraftModelProposer(std::move(name), std::move(engine), std::clamp(cost, 0.01, 1.0)));
+  return o;
 }
 
 bool DraftModelProposer::Cover(State& st, int64_t positions) {
@@ -64,6 +73,15 @@ void DraftModelProposer::Forget(uint64_t seq) {
   seqs_.erase(it);
 }
 
+void DraftModelProposer::Adopt(uint64_t seq, std::span<const int32_t> tokens,
+                               std::vector<int32_t> blocks) {
+  Forget(seq);
+  State& st = seqs_[seq];
+  st.blocks = std::move(blocks);
+  st.fed.assign(tokens.begin(), tokens.end());
+  st.stable = static_cast<int64_t>(st.fed.size());
+}
+
 void DraftModelProposer::Propose(std::span<const int32_t> tokens, int32_t max_draft,
                                  std::vector<int32_t>* draft) {
   const DraftSlot slot{kOneOff, tokens, max_draft, draft};
@@ -80,6 +98,7 @@ absl::Status DraftModelProposer::ProposeBatch(std::span<const DraftSlot> slots) 
   };
   const int64_t ctx = engine_->ctx_size();
   const int64_t budget = engine_->options().max_batch_tokens;
+  last_step_seconds_ = 0;
   std::vector<Work> work;
   for (const DraftSlot& s : slots) {
     s.draft->clear();
@@ -137,6 +156,7 @@ absl::Status DraftModelProposer::ProposeBatch(std::span<const DraftSlot> slots) 
   int32_t max_k = 0;
   for (const Work& w : work) max_k = std::max(max_k, w.k);
   std::vector<size_t> active;
+  const absl::Time t0 = absl::Now();
   for (int32_t j = 0; j < max_k; ++j) {
     chunks.clear();
     active.clear();
@@ -156,6 +176,7 @@ absl::Status DraftModelProposer::ProposeBatch(std::span<const DraftSlot> slots) 
       cur[active[r]] = next;
     }
   }
+  last_step_seconds_ = max_k > 0 ? absl::ToDoubleSeconds(absl::Now() - t0) / max_k : 0.0;
   // What the draft's cache now holds: the sequence's tokens, then all drafts but the last.
   for (Work& w : work) {
     const std::span<const int32_t> t = w.slot->tokens;
@@ -166,16 +187,15 @@ absl::Status DraftModelProposer::ProposeBatch(std::span<const DraftSlot> slots) 
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(const SpeculativeOptions& o,
-                                                           const Engine& target) {
-  std::shared_ptr<const Model> draft;
+absl::StatusOr<std::shared_ptr<const Model>> LoadDraftModel(const SpeculativeOptions& o,
+                                                            const Engine& target) {
   ModelLoadOptions lo;
   lo.pack_weights = target.options().device == Device::kCpu;  // packing is a CPU layout
+  std::unique_ptr<Model> m;
   switch (o.method) {
     case SpecMethod::kOff:
-      return nullptr;
     case SpecMethod::kNgram:
-      return std::shared_ptr<Proposer>(MakeProposer(o));
+      return nullptr;
     case SpecMethod::kSelf: {
       if (target.options().device != Device::kCpu) {
         // The CUDA engine uploads the file's own tensors; write the draft with `tandem quantize`.
@@ -184,20 +204,26 @@ absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(const SpeculativeOpti
             "(tandem quantize MODEL OUT --type TYPE writes it)");
       }
       lo.matrix_type = o.self_type;
-      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Model> m,
-                              Model::Load(target.model().file().path(), lo));
-      draft = std::move(m);
+      TANDEM_ASSIGN_OR_RETURN(m, Model::Load(target.model().file().path(), lo));
       break;
     }
-    case SpecMethod::kDraft: {
-      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Model> m, Model::Load(o.draft_path, lo));
-      draft = std::move(m);
+    case SpecMethod::kDraft:
+      TANDEM_ASSIGN_OR_RETURN(m, Model::Load(o.draft_path, lo));
       break;
-    }
   }
-  TANDEM_ASSIGN_OR_RETURN(
-      std::unique_ptr<DraftModelProposer> p,
-      DraftModelProposer::Create(std::string(SpecMethodName(o.method)), std::move(draft), target));
+  TANDEM_RETURN_IF_ERROR(CheckSameVocabulary(*m, target.model()));
+  return std::shared_ptr<const Model>(std::move(m));
+}
+
+absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(
+    const SpeculativeOptions& o, const Engine& target,
+    const DraftModelProposer::EngineFactory& make_engine) {
+  if (o.method == SpecMethod::kOff) return nullptr;
+  if (o.method == SpecMethod::kNgram) return std::shared_ptr<Proposer>(MakeProposer(o));
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<const Model> draft, LoadDraftModel(o, target));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<DraftModelProposer> p,
+                          DraftModelProposer::Create(std::string(SpecMethodName(o.method)),
+                                                     std::move(draft), target, make_engine));
   return std::shared_ptr<Proposer>(std::move(p));
 }
 

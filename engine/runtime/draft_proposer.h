@@ -11,14 +11,19 @@
 // by position, as in the target: the draft remembers which tokens it fed and, on the next
 // proposal, keeps only the prefix that still matches the sequence.
 //
-// In a P/D cluster the decode worker owns the draft: prefill computes only the target's K/V, and
-// decode computes the draft's prompt K/V on the sequence's first proposal
-// (docs/speculative.md measures that against sending it).
+// In a P/D cluster both workers load the draft. The decode worker's draft proposes; its KV pool
+// is a transport region, and a reservation hands prefill draft blocks there beside the target's.
+// Prefill runs the draft over the prompt and writes its K/V layer by layer in the same transfer;
+// decode adopts those blocks (Adopt) and feeds the draft only what follows the prompt. Without
+// them (decode chose to compute them, had no draft blocks free, or they failed their checksum)
+// the draft computes the prompt's K/V on the sequence's first proposal
+// (docs/perf/speculative.md measures both).
 //
 // Threading: as the Scheduler, one thread.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -36,8 +41,13 @@ class DraftModelProposer final : public Proposer {
   // The draft must have the target's vocabulary, token for token: INVALID_ARGUMENT naming the
   // first difference otherwise. The draft's engine takes the target's options (threads, device,
   // context, max_seqs, block size, KV type, batch budget) and its own KV memory.
+  // `make_engine`, when given, creates the draft's engine from the model and options (a decode
+  // worker puts its KV pool in a transport region that way); Engine::Create otherwise.
+  using EngineFactory = std::function<absl::StatusOr<std::unique_ptr<Engine>>(
+      std::shared_ptr<const Model>, const EngineOptions&)>;
   static absl::StatusOr<std::unique_ptr<DraftModelProposer>> Create(
-      std::string name, std::shared_ptr<const Model> draft, const Engine& target);
+      std::string name, std::shared_ptr<const Model> draft, const Engine& target,
+      const EngineFactory& make_engine = nullptr);
 
   std::string_view name() const override { return name_; }
   // One sequence, with no state kept: the draft computes the whole context each call.
@@ -45,12 +55,15 @@ class DraftModelProposer final : public Proposer {
                std::vector<int32_t>* draft) override;
   absl::Status ProposeBatch(std::span<const DraftSlot> slots) override;
   void Forget(uint64_t seq) override;
+  // The blocks come from engine().kv().pool() and hold the draft's K/V of `tokens`.
+  void Adopt(uint64_t seq, std::span<const int32_t> tokens, std::vector<int32_t> blocks) override;
   // The draft's weight bytes per token over the target's: a decode step reads its weights once,
   // so that is what one draft step costs relative to one of the target's.
   double draft_cost() const override { return draft_cost_; }
   // A draft model of the target's family agrees with it most of the time; the first few
   // verify steps correct the estimate either way.
   double prior_acceptance() const override { return 0.8; }
+  double last_step_seconds() const override { return last_step_seconds_; }
 
   Engine& engine() { return *engine_; }
   size_t num_sequences() const { return seqs_.size(); }
@@ -71,12 +84,23 @@ class DraftModelProposer final : public Proposer {
   double draft_cost_;
   absl::node_hash_map<uint64_t, State> seqs_;  // node: Work keeps pointers across inserts
   std::vector<float> logits_;
+  double last_step_seconds_ = 0;
 };
 
 // The proposer o.method names: null for kOff, the n-gram proposer, or a draft model loaded for
 // `target` (kSelf: the target's own file, converted; kDraft: o.draft_path). Loading errors come
 // back as they are (NOT_FOUND for a missing file, INVALID_ARGUMENT for another vocabulary).
-absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(const SpeculativeOptions& o,
-                                                           const Engine& target);
+absl::StatusOr<std::shared_ptr<Proposer>> MakeSpecProposer(
+    const SpeculativeOptions& o, const Engine& target,
+    const DraftModelProposer::EngineFactory& make_engine = nullptr);
+
+// The draft model o.method names, loaded for `target` and checked against its vocabulary; null
+// for kOff and kNgram. MakeSpecProposer uses it, and so does a prefill worker, which runs the
+// draft over prompts (DraftEngineOptions) without proposing.
+absl::StatusOr<std::shared_ptr<const Model>> LoadDraftModel(const SpeculativeOptions& o,
+                                                            const Engine& target);
+// The draft's engine options: the target's (threads, device, context, max_seqs, block size,
+// KV type, batch budget) with a KV pool of its own, sized for the draft's shape.
+EngineOptions DraftEngineOptions(const Engine& target);
 
 }  // namespace tandem::engine

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/util/status_util.h"
 
 namespace tandem::engine {
@@ -20,6 +21,7 @@ struct Scheduler::Sequence {
   std::unique_ptr<DraftLength> draft_len;
   std::vector<int32_t> verify;
   std::vector<int32_t> proposed;
+  SpecUsage spec;
   uint64_t key = 0;  // names the sequence to the proposer
   bool done = false;
 };
@@ -32,6 +34,7 @@ Scheduler::Scheduler(Engine* engine, SchedulerOptions options)
   if (proposer_ != nullptr) {
     options_.speculative.draft_cost = proposer_->draft_cost();
     options_.speculative.prior_acceptance = proposer_->prior_acceptance();
+    cost_ = std::make_unique<SpecCostModel>(options_.speculative);
     stats_.accepted_hist.assign(std::max(0, options_.speculative.max_draft) + 1, 0);
   }
 }
@@ -96,8 +99,11 @@ absl::Status Scheduler::Submit(GenerationRequest req) {
 }
 
 absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32_t> blocks,
-                                        int32_t first_token) {
+                                        int32_t first_token, std::vector<int32_t> draft_blocks) {
   TANDEM_RETURN_IF_ERROR(Validate(req));
+  if (!draft_blocks.empty() && proposer_ == nullptr) {
+    return absl::InvalidArgumentError("draft K/V blocks given, but this scheduler has no proposer");
+  }
   const int64_t bs = engine_->kv().block_size();
   const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens;
   if (static_cast<int64_t>(blocks.size()) < (need + bs - 1) / bs) {
@@ -111,6 +117,8 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
   std::unique_ptr<Sequence> s = NewSequence(std::move(req));
   s->blocks = std::move(blocks);
   s->n_cached = static_cast<int64_t>(s->tokens.size());
+  // Before the first token is emitted: if it ends the sequence, Release hands them back.
+  if (!draft_blocks.empty()) proposer_->Adopt(s->key, s->tokens, std::move(draft_blocks));
   s->sampler->SkipSamples(1);
   s->tokens.push_back(first_token);
   ++stats_.generated_tokens;
@@ -121,7 +129,7 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
 
 void Scheduler::Release(Sequence& s, bool keep) {
   s.done = true;
-  if (s.draft_len != nullptr) proposer_->Forget(s.key);
+  if (proposer_ != nullptr) proposer_->Forget(s.key);
   if (cache_ == nullptr) {
     engine_->kv().pool().UnrefAll(s.blocks);
     s.blocks.clear();
@@ -153,6 +161,7 @@ void Scheduler::Emit(Sequence& s, int32_t token) {
     ev.text += s.stop->Flush();
     ev.finished = true;
     ev.reason = s.stop->reason();
+    ev.spec = s.spec;
     Release(s);
   }
   if (s.req.on_event) s.req.on_event(ev);
@@ -166,6 +175,7 @@ void Scheduler::Finish(Sequence& s, FinishReason reason, absl::Status status) {
   ev.finished = true;
   ev.reason = reason;
   ev.status = std::move(status);
+  ev.spec = s.spec;
   if (ev.status.ok()) ev.text = s.stop->Flush() + s.decoder->Flush();
   if (s.req.on_event) s.req.on_event(ev);
 }
@@ -220,10 +230,14 @@ void Scheduler::Admit() {
   }
 }
 
-void Scheduler::Draft(int64_t budget) {
+void Scheduler::Draft(int64_t budget, int32_t decoding) {
   std::vector<DraftSlot> slots;
   std::vector<Sequence*> seqs;
   int64_t left = budget;
+  stats_.spec_verify_cost = cost_->verify_cost(decoding);
+  stats_.spec_draft_cost = cost_->draft_cost(decoding);
+  stats_.spec_cost_batch = decoding;
+  const double price = stats_.spec_verify_cost + stats_.spec_draft_cost;
   for (auto& sp : running_) {
     Sequence& s = *sp;
     if (static_cast<int64_t>(s.tokens.size()) - s.n_cached != 1) continue;
@@ -234,7 +248,7 @@ void Scheduler::Draft(int64_t budget) {
     const int64_t generated =
         static_cast<int64_t>(s.tokens.size()) - static_cast<int64_t>(s.req.prompt.size());
     const int64_t want = std::min<int64_t>(
-        {s.draft_len->Next(), left, int64_t{s.req.sampling.max_tokens} - generated - 1});
+        {s.draft_len->Next(price), left, int64_t{s.req.sampling.max_tokens} - generated - 1});
     if (want <= 0) continue;
     left -= want;
     slots.push_back({s.key, s.tokens, static_cast<int32_t>(want), &s.proposed});
@@ -245,6 +259,7 @@ void Scheduler::Draft(int64_t budget) {
     ++stats_.spec_proposer_failures;
     return;
   }
+  cost_->ObserveDraftStep(decoding, proposer_->last_step_seconds());
   for (Sequence* s : seqs) {
     if (s->proposed.empty()) continue;
     s->verify.reserve(s->proposed.size() + 1);
@@ -258,6 +273,9 @@ void Scheduler::Accept(Sequence& s, float* rows) {
   const int32_t k = static_cast<int32_t>(s.verify.size()) - 1;
   ++s.n_cached;  // the pending token
   int32_t kept = 0;
+  // Counted before any Emit: the step may end the sequence, and its final event reports them.
+  ++s.spec.verify_steps;
+  s.spec.draft_tokens += k;
   for (int32_t j = 0; j <= k; ++j) {
     std::span<float> lg(rows + int64_t{j} * vocab, vocab);
     bool accepted = false;
@@ -269,6 +287,7 @@ void Scheduler::Accept(Sequence& s, float* rows) {
     if (accepted) {
       ++s.n_cached;
       ++kept;
+      ++s.spec.accepted_tokens;
     }
     ++stats_.generated_tokens;
     Emit(s, next);
@@ -296,7 +315,11 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     n_decoding += static_cast<int64_t>(sp->tokens.size()) - sp->n_cached == 1;
   }
   for (auto& sp : running_) sp->verify.clear();
-  if (proposer_ != nullptr && n_decoding <= options_.speculative.max_batch) Draft(budget);
+  if (proposer_ != nullptr && n_decoding <= options_.speculative.max_batch) {
+    Draft(budget, n_decoding);
+  }
+  int32_t drafts = 0;  // in this step, for the cost model
+  bool prefill_rows = false;
   // Decode tokens first (one each), so running streams keep their pace; then prefill chunks.
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& sp : running_) {
@@ -317,8 +340,10 @@ absl::StatusOr<bool> Scheduler::Iterate() {
         chunks.push_back(ch);
         chunk_seq.push_back(&s);
         used += k + 1;
+        drafts += k;
         continue;
       }
+      prefill_rows = prefill_rows || !decoding;
       SeqChunk ch;
       ch.tokens = std::span<const int32_t>(s.tokens).subspan(s.n_cached, n);
       ch.start_pos = static_cast<int32_t>(s.n_cached);
@@ -330,8 +355,13 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     }
   }
   if (chunks.empty()) return false;
+  const absl::Time t0 = absl::Now();
   absl::Status st = engine_->Step(chunks, &logits_);
   ++stats_.steps;
+  // Decode-only steps teach the cost model what a draft token costs at this batch size.
+  if (st.ok() && cost_ != nullptr && !prefill_rows && n_decoding <= options_.speculative.max_batch) {
+    cost_->ObserveStep(n_decoding, drafts, absl::ToDoubleSeconds(absl::Now() - t0));
+  }
   if (!st.ok()) {
     for (Sequence* s : chunk_seq) Finish(*s, FinishReason::kNone, st);
     std::erase_if(running_, [](const auto& s) { return s->done; });

@@ -39,12 +39,20 @@
 
 namespace tandem::engine {
 
+// One sequence's speculation so far: verify steps, draft tokens checked, and those kept.
+struct SpecUsage {
+  int32_t verify_steps = 0;
+  int32_t draft_tokens = 0;
+  int32_t accepted_tokens = 0;
+};
+
 struct TokenEvent {
   int32_t token = -1;  // -1 on the final event when no token accompanies it
   std::string text;    // newly completed text (stop strings held back and removed)
   bool finished = false;
   FinishReason reason = FinishReason::kNone;
   absl::Status status;  // non-OK if the request failed
+  SpecUsage spec;       // on the final event: the request's speculation (zeros without any)
 };
 
 struct GenerationRequest {
@@ -69,6 +77,12 @@ struct SchedulerStats {
   std::vector<int64_t> accepted_hist;
   // Steps whose proposal failed (a draft model's engine step): they decoded without drafts.
   int64_t spec_proposer_failures = 0;
+  // The price of one draft token (verification, then proposing) relative to a plain step, as
+  // SpecCostModel put it for the last step that asked, and that step's number of decoding
+  // sequences.
+  double spec_verify_cost = 0;
+  double spec_draft_cost = 0;
+  int32_t spec_cost_batch = 0;
 };
 
 struct SchedulerOptions {
@@ -95,8 +109,12 @@ class Scheduler {
   // whose first token was sampled there. The blocks (covering prompt plus max_tokens) pass to
   // the scheduler, which frees them when the sequence ends. The first token is reported at once
   // through the callback; the sequence then decodes with the others. Same validation as Submit.
+  // With a draft model, `draft_blocks` (blocks of the proposer's pool, non-empty) hold the
+  // draft's K/V of every prompt position, also written by the remote prefill: they pass to the
+  // proposer (Proposer::Adopt), which then only feeds the draft what follows the prompt. On an
+  // error nothing is taken: the caller still owns both sets of blocks.
   absl::Status SubmitPrefilled(GenerationRequest req, std::vector<int32_t> blocks,
-                               int32_t first_token);
+                               int32_t first_token, std::vector<int32_t> draft_blocks = {});
   // Cancels a queued or running request: its callback gets a final event with CANCELLED.
   void Cancel(const std::string& id);
 
@@ -124,8 +142,9 @@ class Scheduler {
   void Finish(Sequence& s, FinishReason reason, absl::Status status);
   void Admit();
   // Asks the proposer, for every decoding sequence at once, for drafts within the step's token
-  // budget; a sequence with a draft gets s.verify = its pending token, then the draft.
-  void Draft(int64_t budget);
+  // budget; a sequence with a draft gets s.verify = its pending token, then the draft. Each
+  // sequence's draft length prices a draft token as cost_ says for `decoding` sequences.
+  void Draft(int64_t budget, int32_t decoding);
   // Takes the logit rows of a verify chunk (s.verify.size() rows at `rows`): keeps the accepted
   // drafts and one token from the target, and reports each.
   void Accept(Sequence& s, float* rows);
@@ -134,6 +153,7 @@ class Scheduler {
   SchedulerOptions options_;
   std::unique_ptr<PrefixCache> cache_;
   std::shared_ptr<Proposer> proposer_;  // null with speculation off
+  std::unique_ptr<SpecCostModel> cost_;  // with proposer_
   uint64_t next_key_ = 0;               // Sequence::key, for the proposer's per-sequence state
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
