@@ -58,9 +58,13 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
       ->check(CLI::PositiveNumber);
   app.add_option("--speculative", f->speculative,
                  "speculative decoding: off, ngram (prompt lookup), self:TYPE (the model "
-                 "converted to TYPE) or draft:PATH; decode runs the draft, and prefill and "
+                 "converted to TYPE) or draft:PATH; decode proposes with the draft, and prefill and "
                  "decode workers must agree");
   app.add_option("--spec-tokens", f->spec_tokens, "most draft tokens verified per step (1-16)");
+  app.add_option("--draft-kv", f->draft_kv,
+                 "with a draft model, where its prompt K/V are computed: prefill (beside the "
+                 "target's, sent in the same transfer) or decode (on the first proposal)")
+      ->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--spec-max-batch", f->spec_max_batch,
                  "no speculation in a step with more decoding sequences than this")
       ->check(CLI::NonNegativeNumber);

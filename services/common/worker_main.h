@@ -61,6 +61,9 @@ struct WorkerFlags {
   std::string speculative = "off";
   int spec_tokens = 4;
   int spec_max_batch = 8;
+  // With a draft model: "prefill" sends its prompt K/V with the target's, "decode" computes
+  // them on the decode worker (and prefill does not load the draft).
+  std::string draft_kv = "prefill";
   std::string transport = "ucx";
   std::string ucx_tls = "shm";
   int grace_ms = 10000;

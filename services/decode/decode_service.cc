@@ -61,6 +61,9 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const v1::DecodeReq
       v1::Usage* u = msg.mutable_usage();
       u->set_prompt_tokens(req->prompt_token_ids_size());
       u->set_completion_tokens(completion);
+      u->set_spec_verify_steps(ev.spec.verify_steps);
+      u->set_spec_draft_tokens(ev.spec.draft_tokens);
+      u->set_spec_accepted_tokens(ev.spec.accepted_tokens);
       writer->Write(msg);
       return grpc::Status::OK;
     }

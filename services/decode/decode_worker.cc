@@ -1,6 +1,7 @@
 #include "services/decode/decode_worker.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <deque>
 #include <optional>
 #include <utility>
@@ -63,15 +64,39 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
   TANDEM_RETURN_IF_ERROR(services::CheckWorkerKvPlacement(o.engine, o.transport));
   // The whole pool is one region, registered once (kv_pool.h).
   TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e, services::CreateEngineInRegion(o.model, o.engine, o.transport));
-  // A draft model (--speculative self:TYPE or draft:PATH) loads here, beside the target.
-  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<engine::Proposer> proposer,
-                          engine::MakeSpecProposer(o.speculative, *e.engine));
-  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine), std::move(proposer)));
+  // A draft model (--speculative self:TYPE or draft:PATH) loads here, beside the target. When
+  // prefill sends its prompt K/V, its pool is a region of its own, set up as the target's.
+  std::optional<transfer::RegionDescriptor> draft_region;
+  bool draft_in_transport_memory = false;
+  engine::DraftModelProposer::EngineFactory draft_engine;
+  if (o.transport != nullptr && o.draft_kv_from_prefill) {
+    draft_engine = [&](std::shared_ptr<const engine::Model> m, const engine::EngineOptions& eo)
+        -> absl::StatusOr<std::unique_ptr<engine::Engine>> {
+      TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion d,
+                              services::CreateEngineInRegion(std::move(m), eo, o.transport));
+      draft_region = d.region;
+      draft_in_transport_memory = d.in_transport_memory;
+      return std::move(d.engine);
+    };
+  }
+  absl::StatusOr<std::shared_ptr<engine::Proposer>> proposer =
+      engine::MakeSpecProposer(o.speculative, *e.engine, draft_engine);
+  if (!proposer.ok()) {
+    if (e.region) (void)o.transport->DeregisterRegion(e.region->region_id);
+    return proposer.status();
+  }
+  std::unique_ptr<DecodeWorker> w(new DecodeWorker(o, std::move(e.engine), *proposer));
   if (e.region) {
     w->region_bytes_ = e.region->Serialize();
     w->region_id_ = e.region->region_id;
     w->region_registered_ = true;
     w->pool_in_transport_memory_ = e.in_transport_memory;
+  }
+  if (draft_region) {
+    w->draft_region_bytes_ = draft_region->Serialize();
+    w->draft_region_id_ = draft_region->region_id;
+    w->draft_region_registered_ = true;
+    w->draft_in_transport_memory_ = draft_in_transport_memory;
   }
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
@@ -83,8 +108,9 @@ DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine:
     : o_(o),
       engine_(std::move(engine)),
       scheduler_(std::make_unique<engine::Scheduler>(
-          engine_.get(),
-          engine::SchedulerOptions{.speculative = o.speculative, .proposer = std::move(proposer)})),
+          engine_.get(), engine::SchedulerOptions{.speculative = o.speculative, .proposer = proposer})),
+      proposer_(std::move(proposer)),
+      draft_(dynamic_cast<engine::DraftModelProposer*>(proposer_.get())),
       kv_blocks_total_(engine_->kv().pool().num_blocks()) {}
 
 DecodeWorker::~DecodeWorker() {
@@ -94,7 +120,17 @@ DecodeWorker::~DecodeWorker() {
   }
   if (thread_.joinable()) thread_.join();
   // Transport memory is freed by deregistering it: the engine goes first. Our own mapping
-  // outlives the registration, so no peer write can land in unmapped memory.
+  // outlives the registration, so no peer write can land in unmapped memory. The same for the
+  // draft's pool, which the proposer's engine owns.
+  if (draft_region_registered_ && !draft_in_transport_memory_) {
+    (void)o_.transport->DeregisterRegion(draft_region_id_);
+  }
+  scheduler_.reset();
+  draft_ = nullptr;
+  proposer_.reset();
+  if (draft_region_registered_ && draft_in_transport_memory_) {
+    (void)o_.transport->DeregisterRegion(draft_region_id_);
+  }
   if (pool_in_transport_memory_) {
     scheduler_.reset();
     engine_.reset();
@@ -121,6 +157,16 @@ absl::Status DecodeWorker::Call(std::function<void()> fn) {
   }
   done->WaitForNotification();
   return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> DecodeWorker::DraftBlocksInUse() {
+  int32_t used = 0;
+  TANDEM_RETURN_IF_ERROR(Call([&] {
+    if (draft_ == nullptr) return;
+    const engine::BlockPool& pool = draft_->engine().kv().pool();
+    used = pool.num_blocks() - pool.num_free();
+  }));
+  return used;
 }
 
 absl::Status DecodeWorker::RunOnEngineThread(std::function<void(engine::Engine&)> fn) {
@@ -164,9 +210,15 @@ void DecodeWorker::Loop() {
   for (const std::string& id : ids) scheduler_->Cancel(id);
   // Quarantined blocks too: the pool goes away with the worker, so no later request can be
   // handed one.
-  for (auto& [id, r] : reservations_) FreeBlocks(r.blocks);
+  for (auto& [id, r] : reservations_) {
+    FreeBlocks(r.blocks);
+    FreeDraftBlocks(r.draft_blocks);
+  }
   reservations_.clear();
-  for (Quarantined& q : quarantine_) FreeBlocks(q.blocks);
+  for (Quarantined& q : quarantine_) {
+    FreeBlocks(q.blocks);
+    FreeDraftBlocks(q.draft_blocks);
+  }
   quarantine_.clear();
   PublishStats();
 }
@@ -175,15 +227,21 @@ void DecodeWorker::FreeBlocks(const std::vector<int32_t>& blocks) {
   engine_->kv().pool().UnrefAll(blocks);
 }
 
+void DecodeWorker::FreeDraftBlocks(const std::vector<int32_t>& blocks) {
+  if (!blocks.empty()) draft_->engine().kv().pool().UnrefAll(blocks);
+}
+
 void DecodeWorker::ReapExpired(absl::Time now) {
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     if (it->second.expires <= now) {
       // The prefill writing into these blocks may be slow rather than dead.
       Reservation& r = it->second;
+      const absl::Time expires = r.expires;
+      const absl::Duration lease = r.lease;
       Quarantine(
-          it->first, std::move(r.blocks),
-          absl::StrCat("expired at ", absl::FormatTime(r.expires, absl::UTCTimeZone()), " (lease ",
-                       absl::ToInt64Milliseconds(r.lease), " ms) before Decode claimed it"));
+          it->first, std::move(r),
+          absl::StrCat("expired at ", absl::FormatTime(expires, absl::UTCTimeZone()), " (lease ",
+                       absl::ToInt64Milliseconds(lease), " ms) before Decode claimed it"));
       reservations_.erase(it++);
     } else {
       ++it;
@@ -191,11 +249,17 @@ void DecodeWorker::ReapExpired(absl::Time now) {
   }
 }
 
+void DecodeWorker::Quarantine(std::string request_id, Reservation&& r, std::string why) {
+  Quarantine(std::move(request_id), std::move(r.blocks), std::move(why),
+             std::move(r.draft_blocks));
+}
+
 void DecodeWorker::Quarantine(std::string request_id, std::vector<int32_t> blocks,
-                              std::string why) {
+                              std::string why, std::vector<int32_t> draft_blocks) {
   Quarantined q;
   q.request_id = std::move(request_id);
   q.blocks = std::move(blocks);
+  q.draft_blocks = std::move(draft_blocks);
   q.why = std::move(why);
   q.release = absl::Now() + o_.quarantine;
   quarantine_.push_back(std::move(q));
@@ -204,6 +268,7 @@ void DecodeWorker::Quarantine(std::string request_id, std::vector<int32_t> block
 void DecodeWorker::ReleaseQuarantine(absl::Time now) {
   while (!quarantine_.empty() && quarantine_.front().release <= now) {
     FreeBlocks(quarantine_.front().blocks);
+    FreeDraftBlocks(quarantine_.front().draft_blocks);
     quarantine_.pop_front();
   }
 }
@@ -362,6 +427,22 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   for (int64_t i = 0; i < prompt_blocks; ++i) dst->add_block_ids(r.blocks[i]);
   services::FillKvLayout(kv, dst);
   dst->set_speculative(engine::SpecHandshake(o_.speculative));
+  if (draft_region_registered_) {
+    // The draft's prompt K/V come with the target's when its pool has room for them now;
+    // otherwise the draft computes them here (the output is the same either way).
+    engine::KvCache& dkv = draft_->engine().kv();
+    const int64_t n_draft = services::BlocksFor(req.prompt_tokens(), dkv.block_size());
+    absl::StatusOr<std::vector<int32_t>> db = dkv.pool().AllocateN(static_cast<int32_t>(n_draft));
+    if (db.ok()) {
+      r.draft_blocks = std::move(*db);
+      v1::KvDestination* dd = dst->mutable_draft();
+      dd->set_decode_worker(o_.worker_id);
+      dd->set_region(draft_region_bytes_);
+      dd->mutable_block_ids()->Add(r.draft_blocks.begin(), r.draft_blocks.end());
+      services::FillKvLayout(dkv, dd);
+      dd->set_speculative(dst->speculative());
+    }
+  }
   resp.set_lease_expires_unix_ms(static_cast<uint64_t>(absl::ToUnixMillis(r.expires)));
   dst->set_lease_expires_unix_ms(resp.lease_expires_unix_ms());
   reservations_.emplace(id, std::move(r));
@@ -441,13 +522,13 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   const int64_t prompt = req.prompt_token_ids_size();
   // A refused claim quarantines the blocks: whoever sent it may not have stopped writing.
   if (prompt != r.prompt_tokens) {
-    Quarantine(id, std::move(r.blocks), "was refused (prompt length mismatch)");
+    Quarantine(id, std::move(r), "was refused (prompt length mismatch)");
     return absl::InvalidArgumentError(
         absl::StrCat("prompt has ", prompt, " tokens; the reservation was for ", r.prompt_tokens));
   }
   const int64_t prompt_blocks = services::BlocksFor(prompt, kv.block_size());
   if (req.block_checksums_size() != prompt_blocks) {
-    Quarantine(id, std::move(r.blocks), "was refused (wrong number of block checksums)");
+    Quarantine(id, std::move(r), "was refused (wrong number of block checksums)");
     return absl::InvalidArgumentError(absl::StrCat("got ", req.block_checksums_size(),
                                                    " block checksums; the prompt fills ",
                                                    prompt_blocks, " blocks"));
@@ -457,7 +538,7 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   // (On the device for a GPU pool, by the same algorithm prefill used, kv_layout.h.)
   absl::StatusOr<std::vector<uint64_t>> computed = services::PoolChecksums(kv, r.blocks, prompt);
   if (!computed.ok()) {
-    Quarantine(id, std::move(r.blocks), "was refused (its KV could not be checksummed)");
+    Quarantine(id, std::move(r), "was refused (its KV could not be checksummed)");
     return computed.status();
   }
   const std::vector<uint64_t>& sums = *computed;
@@ -469,7 +550,7 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
           "request %s: KV block %d (pool block %d) has checksum %016x, prefill sent %016x; "
           "the transferred KV is corrupt",
           id, i, r.blocks[i], sums[i], req.block_checksums(static_cast<int>(i)));
-      Quarantine(id, std::move(r.blocks), "was refused (KV checksum mismatch)");
+      Quarantine(id, std::move(r), "was refused (KV checksum mismatch)");
       return absl::DataLossError(msg);
     }
   }
@@ -477,12 +558,14 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   active_[id] = true;
   auto clock = std::make_shared<RequestClock>();
   clock->arrived = arrived;
+  std::vector<int32_t> draft_blocks = TakeDraftBlocks(id, req, std::move(r.draft_blocks));
   absl::Status st = scheduler_->SubmitPrefilled(MakeRequest(req, std::move(stream), clock),
-                                                r.blocks, req.first_token_id());
+                                                r.blocks, req.first_token_id(), draft_blocks);
   if (!st.ok()) {
     active_.erase(id);
     // Validation failed before the scheduler took the blocks.
-    Quarantine(id, std::move(r.blocks), absl::StrCat("was refused (", st.message(), ")"));
+    Quarantine(id, std::move(r.blocks), absl::StrCat("was refused (", st.message(), ")"),
+               std::move(draft_blocks));
   } else if (o_.metrics != nullptr) {
     // Admitted at once: the prefill already ran and the blocks are reserved.
     o_.metrics->request_queue_time.Observe(Seconds(absl::Now() - arrived));
@@ -494,14 +577,49 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   return st;
 }
 
+std::vector<int32_t> DecodeWorker::TakeDraftBlocks(const std::string& id,
+                                                   const v1::DecodeRequest& req,
+                                                   std::vector<int32_t> draft_blocks) {
+  if (draft_blocks.empty()) return {};
+  const int64_t prompt = req.prompt_token_ids_size();
+  const char* why = nullptr;
+  if (req.draft_block_checksums_size() == 0) {
+    why = "were not sent";  // the prefill had no draft blocks free: the draft computes them
+  } else if (req.draft_block_checksums_size() != static_cast<int>(draft_blocks.size())) {
+    why = "came with the wrong number of checksums";
+  } else {
+    absl::StatusOr<std::vector<uint64_t>> sums =
+        services::PoolChecksums(draft_->engine().kv(), draft_blocks, prompt);
+    if (!sums.ok()) {
+      why = "could not be checksummed";
+    } else {
+      for (size_t i = 0; i < sums->size(); ++i) {
+        if ((*sums)[i] == req.draft_block_checksums(static_cast<int>(i))) continue;
+        integrity_failures_.fetch_add(1);
+        if (o_.metrics != nullptr) o_.metrics->kv_integrity_failures.Increment();
+        std::fprintf(stderr,
+                     "request %s: draft KV block %zu has checksum %016lx, prefill sent %016lx; "
+                     "the draft computes its prompt K/V itself\n",
+                     id.c_str(), i, static_cast<unsigned long>((*sums)[i]),
+                     static_cast<unsigned long>(req.draft_block_checksums(static_cast<int>(i))));
+        why = "failed their checksum";
+        break;
+      }
+    }
+  }
+  if (why == nullptr) return draft_blocks;
+  // Not used, and whoever wrote them may not have stopped: held back like a refused claim.
+  Quarantine(/*request_id=*/"", {}, absl::StrCat("draft blocks ", why), std::move(draft_blocks));
+  return {};
+}
+
 bool DecodeWorker::Cancel(const std::string& request_id) {
   bool found = false;
   absl::Status st = Call([&] {
     auto it = reservations_.find(request_id);
     if (it != reservations_.end()) {
       // The prefill may still be writing (the router cancels both sides at once).
-      Quarantine(request_id, std::move(it->second.blocks),
-                 "was cancelled before Decode claimed it");
+      Quarantine(request_id, std::move(it->second), "was cancelled before Decode claimed it");
       reservations_.erase(it);
       found = true;
     }

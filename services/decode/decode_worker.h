@@ -52,6 +52,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/scheduler.h"
+#include "engine/runtime/draft_proposer.h"
 #include "services/common/metrics.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -76,6 +77,10 @@ struct DecodeWorkerOptions {
   // null). Its SpecHandshake goes into every reservation's destination.
   engine::SpeculativeOptions speculative;
   services::SpecMetrics* spec_metrics = nullptr;
+  // With a draft model and a transport: reservations hand prefill draft blocks too, and the
+  // draft's prompt K/V arrive with the target's (--draft-kv prefill). False: the draft computes
+  // them here, on the sequence's first proposal (--draft-kv decode).
+  bool draft_kv_from_prefill = true;
 };
 
 // The events of one request, in order; the last one has finished set. Filled by the engine
@@ -116,6 +121,10 @@ class DecodeWorker {
   // memory without racing the engine.
   absl::Status RunOnEngineThread(std::function<void(engine::Engine&)> fn);
 
+  // Blocks of the draft model's KV pool in use (by reservations, quarantine and sequences); 0
+  // without a draft model. For tests: at rest it must be 0.
+  absl::StatusOr<int32_t> DraftBlocksInUse();
+
   const std::string& worker_id() const { return o_.worker_id; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
@@ -129,7 +138,8 @@ class DecodeWorker {
     bool measure_ttft = false;  // this worker computes the first token
   };
   struct Reservation {
-    std::vector<int32_t> blocks;  // prompt + max_tokens
+    std::vector<int32_t> blocks;        // prompt + max_tokens
+    std::vector<int32_t> draft_blocks;  // the draft's, for the prompt; empty: none asked for
     int32_t prompt_tokens = 0;
     int32_t max_tokens = 0;
     absl::Duration lease;
@@ -139,6 +149,7 @@ class DecodeWorker {
   struct Quarantined {
     std::string request_id;
     std::vector<int32_t> blocks;
+    std::vector<int32_t> draft_blocks;  // in the draft's pool
     std::string why;  // "expired at ...", "was cancelled", ...: what a late Decode is told
     absl::Time release;
   };
@@ -151,7 +162,13 @@ class DecodeWorker {
   // Engine-thread helpers.
   void ReapExpired(absl::Time now);
   // A reservation ends without decoding: its blocks go to quarantine for o_.quarantine.
-  void Quarantine(std::string request_id, std::vector<int32_t> blocks, std::string why);
+  void Quarantine(std::string request_id, std::vector<int32_t> blocks, std::string why,
+                  std::vector<int32_t> draft_blocks = {});
+  void Quarantine(std::string request_id, Reservation&& r, std::string why);
+  // The draft blocks of a claimed reservation, when the draft's K/V in them are what prefill
+  // computed (its checksums match); empty otherwise, and then they are quarantined.
+  std::vector<int32_t> TakeDraftBlocks(const std::string& id, const v1::DecodeRequest& req,
+                                       std::vector<int32_t> draft_blocks);
   void ReleaseQuarantine(absl::Time now);
   // The next lease expiry or quarantine release: when the idle engine thread must wake.
   absl::Time NextWake() const;
@@ -168,10 +185,19 @@ class DecodeWorker {
   // Requests the last Iterate admitted (it admits first, at `at`) leave queued_.
   void NoteAdmitted(absl::Time at);
   void FreeBlocks(const std::vector<int32_t>& blocks);
+  void FreeDraftBlocks(const std::vector<int32_t>& blocks);
 
   DecodeWorkerOptions o_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<engine::Scheduler> scheduler_;
+  // The scheduler's proposer, kept here for teardown order; draft_ is it as a draft model
+  // (null for n-gram or off). The draft's KV pool is a region of its own when prefill sends it.
+  std::shared_ptr<engine::Proposer> proposer_;
+  engine::DraftModelProposer* draft_ = nullptr;
+  std::string draft_region_bytes_;
+  uint64_t draft_region_id_ = 0;
+  bool draft_region_registered_ = false;
+  bool draft_in_transport_memory_ = false;
   int32_t kv_blocks_total_ = 0;
   // accepted_hist as last added to spec_metrics (engine thread only).
   std::vector<int64_t> spec_hist_published_;

@@ -98,6 +98,7 @@ int Main(int argc, char** argv) {
     return services::FailWorker(kBinary, "--speculative", spec_options.status());
   }
   wo.speculative = *spec_options;
+  wo.draft_kv_from_prefill = flags.draft_kv == "prefill";
   if (spec_options->method != engine::SpecMethod::kOff) {
     wo.spec_metrics = &metrics.Speculative(
         services::ModelNameFromPath(flags.model_path), role,

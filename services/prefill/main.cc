@@ -121,6 +121,7 @@ int Main(int argc, char** argv) {
     return services::FailWorker(kBinary, "--speculative", spec_options.status());
   }
   wo.speculative = *spec_options;
+  wo.draft_kv = flags.draft_kv == "prefill";
   wo.kvstore.address = kvstore;
   wo.kvstore.lookup_timeout = absl::Milliseconds(kvstore_lookup_ms);
   wo.kvstore.read_timeout = absl::Milliseconds(kvstore_read_ms);

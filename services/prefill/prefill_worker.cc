@@ -9,12 +9,60 @@
 #include "absl/strings/str_cat.h"
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
+#include "engine/runtime/draft_proposer.h"
 #include "engine/sampling/sampler.h"
 #include "services/common/kv_layout.h"
 #include "services/common/kv_pool.h"
 #include "services/common/sampling_convert.h"
 
 namespace tandem::prefill {
+namespace {
+
+// Whether `dst` can take the K/V of `blocks` blocks in `kv`'s layout: the same shape, a region
+// that parses, enough block ids, none negative, and every byte inside the region. `what` names
+// the destination in errors.
+absl::Status CheckDestination(const v1::KvDestination& dst, const engine::KvCache& kv,
+                              int64_t blocks, const std::string& what,
+                              transfer::RegionDescriptor* region) {
+  TANDEM_RETURN_IF_ERROR(services::CheckSameKvShape(dst, kv));
+  absl::StatusOr<transfer::RegionDescriptor> r =
+      transfer::RegionDescriptor::Parse(std::string_view(dst.region()));
+  if (!r.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " region: ", r.status().message()));
+  }
+  if (dst.block_ids_size() < blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has ", dst.block_ids_size(), " blocks; the prompt fills ", blocks));
+  }
+  // Every byte this request writes must fall inside the destination region; catching it here
+  // gives the caller a clear answer before any compute is spent.
+  int64_t max_block = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int32_t b = dst.block_ids(static_cast<int>(i));
+    if (b < 0) return absl::InvalidArgumentError(absl::StrCat("block id ", b, " is negative"));
+    max_block = std::max<int64_t>(max_block, b);
+  }
+  const uint64_t end = (uint64_t(dst.num_layers()) - 1) * dst.layer_stride() + dst.kv_stride() +
+                       uint64_t(max_block + 1) * dst.block_bytes();
+  if (end > r->length) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " block ", max_block,
+                                                   " lies outside the ", r->length,
+                                                   "-byte region"));
+  }
+  *region = std::move(*r);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Where one model's K/V of a request go: the target's, or the draft's.
+struct PrefillWorker::KvSend {
+  std::vector<int32_t> dst_blocks;
+  transfer::RegionDescriptor region;
+  uint64_t layer_stride = 0;
+  uint64_t kv_stride = 0;
+  std::vector<int32_t> local_blocks;  // engine thread only
+};
 
 struct PrefillWorker::Job {
   // Fixed once queued.
@@ -37,9 +85,16 @@ struct PrefillWorker::Job {
 
   std::atomic<bool> cancelled{false};
 
+  // The draft's prompt K/V, sent when the destination asks and this worker has a draft.
+  bool with_draft = false;  // cleared by the engine thread when the draft cannot run
+  KvSend draft;
+
   // Engine thread only.
   std::vector<int32_t> local_blocks;
   int64_t n_done = 0;
+  int64_t draft_done = 0;  // prompt positions whose draft K/V are computed
+  std::vector<uint64_t> draft_checksums;
+  double draft_seconds = 0;
   absl::Time compute_start;
   absl::Time compute_end;
   int32_t first_token = -1;
@@ -82,7 +137,18 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   TANDEM_ASSIGN_OR_RETURN(services::EngineInRegion e,
                           services::CreateEngineInRegion(
                               o.model, o.engine, with_store && !device_pool ? store_t : nullptr));
+  // A draft model's prompt K/V are computed here when decode asks for them.
+  std::shared_ptr<const engine::Model> draft;
+  if (o.draft_kv) {
+    TANDEM_ASSIGN_OR_RETURN(draft, engine::LoadDraftModel(o.speculative, *e.engine));
+  }
+  std::unique_ptr<engine::Engine> draft_engine;
+  if (draft != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(draft_engine,
+                            engine::Engine::Create(draft, engine::DraftEngineOptions(*e.engine)));
+  }
   std::unique_ptr<PrefillWorker> w(new PrefillWorker(o, std::move(e.engine)));
+  w->draft_engine_ = std::move(draft_engine);
   w->store_transport_ = store_t;
   if (e.region) {
     w->region_bytes_ = e.region->Serialize();
@@ -167,9 +233,7 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
   TANDEM_RETURN_IF_ERROR(engine::ValidateSamplingParams(job->sampling, vocab));
 
   const v1::KvDestination& dst = req.destination();
-  TANDEM_RETURN_IF_ERROR(services::CheckSameKvShape(dst, kv));
-  // The reserve handshake: what decode speculates with must be what this worker prepares for
-  // (a draft model's KV would be computed here and sent with the target's).
+  // The reserve handshake: what decode speculates with must be what this worker prepares for.
   const std::string ours = engine::SpecHandshake(o_.speculative);
   const std::string theirs = dst.speculative().empty() ? "off" : dst.speculative();
   if (theirs != ours) {
@@ -178,34 +242,23 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
         ours, ", decode worker ", dst.decode_worker(), " runs --speculative ", theirs,
         "; start both pools with the same setting"));
   }
-  absl::StatusOr<transfer::RegionDescriptor> region =
-      transfer::RegionDescriptor::Parse(std::string_view(dst.region()));
-  if (!region.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KV destination region: ", region.status().message()));
-  }
   const int64_t blocks = services::BlocksFor(n, kv.block_size());
-  if (dst.block_ids_size() < blocks) {
-    return absl::InvalidArgumentError(absl::StrCat("KV destination has ", dst.block_ids_size(),
-                                                   " blocks; the prompt fills ", blocks));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckDestination(dst, kv, blocks, "KV destination", &job->region));
   if (blocks > kv.pool().num_blocks()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt needs ", blocks, " KV blocks; this worker's pool holds ", kv.pool().num_blocks()));
   }
-  // Every byte this request writes must fall inside the destination region; catching it here
-  // gives the caller a clear answer before any compute is spent.
-  int64_t max_block = 0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int32_t b = dst.block_ids(static_cast<int>(i));
-    if (b < 0) return absl::InvalidArgumentError(absl::StrCat("block id ", b, " is negative"));
-    max_block = std::max<int64_t>(max_block, b);
-  }
-  const uint64_t end = (uint64_t(dst.num_layers()) - 1) * dst.layer_stride() + dst.kv_stride() +
-                       uint64_t(max_block + 1) * dst.block_bytes();
-  if (end > region->length) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV destination block ", max_block, " lies outside the ", region->length, "-byte region"));
+  // A worker started with --draft-kv decode has no draft: decode then computes its K/V.
+  if (dst.has_draft() && draft_engine_ != nullptr) {
+    const engine::KvCache& dkv = draft_engine_->kv();
+    const v1::KvDestination& dd = dst.draft();
+    const int64_t draft_blocks = services::BlocksFor(n, dkv.block_size());
+    TANDEM_RETURN_IF_ERROR(
+        CheckDestination(dd, dkv, draft_blocks, "draft KV destination", &job->draft.region));
+    job->with_draft = true;
+    job->draft.dst_blocks.assign(dd.block_ids().begin(), dd.block_ids().begin() + draft_blocks);
+    job->draft.layer_stride = dd.layer_stride();
+    job->draft.kv_stride = dd.kv_stride();
   }
   job->id = req.request_id();
   job->prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
@@ -217,7 +270,6 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
         std::min<int64_t>(job->hashes.size(), (n - 1) / kv.block_size()));
   }
   job->dst_blocks.assign(dst.block_ids().begin(), dst.block_ids().begin() + blocks);
-  job->region = std::move(*region);
   job->layer_stride = dst.layer_stride();
   job->kv_stride = dst.kv_stride();
   job->deadline = deadline;
@@ -325,6 +377,10 @@ bool PrefillWorker::WaitForPublishing(absl::Duration timeout) {
 
 void PrefillWorker::PublishStats() {
   const engine::BlockPool& pool = engine_->kv().pool();
+  if (draft_engine_ != nullptr) {
+    const engine::BlockPool& dp = draft_engine_->kv().pool();
+    draft_blocks_in_use_.store(dp.num_blocks() - dp.num_free());
+  }
   absl::MutexLock l(&mu_);
   snapshot_.set_running(static_cast<int32_t>(active_.size()));
   snapshot_.set_waiting(static_cast<int32_t>(queue_.size() + pending_.size()));
@@ -401,7 +457,8 @@ void PrefillWorker::Loop() {
     // writes drain.
     const std::vector<std::shared_ptr<Job>> running = active_;
     for (const std::shared_ptr<Job>& j : running) {
-      if (j->n_done < static_cast<int64_t>(j->prompt.size()) && j->compute_status.ok() &&
+      const int64_t n = static_cast<int64_t>(j->prompt.size());
+      if ((j->n_done < n || (j->with_draft && j->draft_done < n)) && j->compute_status.ok() &&
           j->cancelled.load()) {
         EndCompute(j, absl::CancelledError("prefill cancelled"));
       }
@@ -444,6 +501,16 @@ void PrefillWorker::Admit() {
       Complete(*keep, keep->compute_status);
       continue;
     }
+    if (j.with_draft) {
+      // No room in the draft's pool now: the draft's K/V are not sent, and decode computes them.
+      absl::StatusOr<std::vector<int32_t>> d = draft_engine_->kv().pool().AllocateN(
+          static_cast<int32_t>(j.draft.dst_blocks.size()));
+      if (d.ok()) {
+        j.draft.local_blocks = std::move(*d);
+      } else {
+        j.with_draft = false;
+      }
+    }
     const int32_t onboarded = j.local_cached_blocks + j.kvstore_blocks;
     if (j.usable > 0) {
       query_blocks_ += j.usable;
@@ -469,7 +536,7 @@ void PrefillWorker::Admit() {
     // The onboarded prefix goes to decode like computed KV: every layer of it, now.
     if (job->n_done > 0) {
       for (int32_t l = 0; l < engine_->model().config().n_layer; ++l) {
-        PostLayerWrites(job, 0, job->n_done, l);
+        PostLayerWrites(job, /*draft=*/false, 0, job->n_done, l);
       }
     }
   }
@@ -648,6 +715,10 @@ void PrefillWorker::QueuePublish(const Job& j) {
 }
 
 void PrefillWorker::ReleaseBlocks(Job& j, bool cache_them) {
+  if (!j.draft.local_blocks.empty()) {
+    draft_engine_->kv().pool().UnrefAll(j.draft.local_blocks);
+    j.draft.local_blocks.clear();
+  }
   if (cache_ == nullptr) {
     engine_->kv().pool().UnrefAll(j.local_blocks);
   } else {
@@ -676,6 +747,8 @@ void PrefillWorker::ReleaseQuarantine(bool all) {
 }
 
 bool PrefillWorker::ComputeStep() {
+  // The draft's chunks run in the same turn as the target's, in a step of their own.
+  const bool drafted = draft_engine_ != nullptr && DraftStep();
   const int64_t budget = engine_->options().max_batch_tokens;
   std::vector<engine::SeqChunk> chunks;
   std::vector<std::shared_ptr<Job>> jobs;
@@ -705,13 +778,13 @@ bool PrefillWorker::ComputeStep() {
     jobs.push_back(j);
     used += n;
   }
-  if (chunks.empty()) return false;
+  if (chunks.empty()) return drafted;
   if (o_.before_step) o_.before_step();
 
   absl::Status st = engine_->Step(chunks, &logits_, [&](int32_t layer) {
     for (size_t i = 0; i < chunks.size(); ++i) {
-      PostLayerWrites(jobs[i], chunks[i].start_pos, static_cast<int64_t>(chunks[i].tokens.size()),
-                      layer);
+      PostLayerWrites(jobs[i], /*draft=*/false, chunks[i].start_pos,
+                      static_cast<int64_t>(chunks[i].tokens.size()), layer);
     }
   });
   if (!st.ok()) {
@@ -743,15 +816,88 @@ bool PrefillWorker::ComputeStep() {
     const uint64_t before = published_blocks_;
     QueuePublish(j);
     j.published_blocks = static_cast<int32_t>(published_blocks_ - before);
-    EndCompute(jobs[i], absl::OkStatus());
+    // With the draft's K/V still to compute, DraftStep ends the compute.
+    if (!j.with_draft || j.draft_done >= static_cast<int64_t>(j.prompt.size())) {
+      EndCompute(jobs[i], absl::OkStatus());
+    }
   }
   return true;
 }
 
-void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t start, int64_t n,
-                                    int32_t layer) {
+bool PrefillWorker::DraftStep() {
+  const int64_t budget = draft_engine_->options().max_batch_tokens;
+  std::vector<engine::SeqChunk> chunks;
+  std::vector<std::shared_ptr<Job>> jobs;
+  int64_t used = 0;
+  const std::vector<std::shared_ptr<Job>> candidates = active_;
+  for (const std::shared_ptr<Job>& j : candidates) {
+    if (used >= budget) break;
+    const int64_t left = static_cast<int64_t>(j->prompt.size()) - j->draft_done;
+    if (!j->with_draft || left <= 0 || !j->compute_status.ok()) continue;
+    absl::Status write_status;
+    {
+      absl::MutexLock l(&j->mu);
+      write_status = j->write_status;
+    }
+    if (!write_status.ok()) {  // the destination is gone
+      EndCompute(j, write_status);
+      continue;
+    }
+    const int64_t n = std::min(left, budget - used);
+    engine::SeqChunk ch;
+    ch.tokens = std::span<const int32_t>(j->prompt).subspan(j->draft_done, n);
+    ch.start_pos = static_cast<int32_t>(j->draft_done);
+    ch.block_table = j->draft.local_blocks;
+    chunks.push_back(ch);
+    jobs.push_back(j);
+    used += n;
+  }
+  if (chunks.empty()) return false;
+  const absl::Time t0 = absl::Now();
+  absl::Status st = draft_engine_->Step(chunks, &draft_logits_, [&](int32_t layer) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      PostLayerWrites(jobs[i], /*draft=*/true, chunks[i].start_pos,
+                      static_cast<int64_t>(chunks[i].tokens.size()), layer);
+    }
+  });
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Job& j = *jobs[i];
+    const int64_t n = static_cast<int64_t>(j.prompt.size());
+    j.draft_seconds += seconds;
+    if (!st.ok()) {
+      // The target's K/V are unaffected: send them without the draft's, which decode computes.
+      std::fprintf(stderr, "request %s: the draft's prefill failed, decode computes it: %s\n",
+                   j.id.c_str(), st.ToString().c_str());
+      j.with_draft = false;
+    } else {
+      j.draft_done += static_cast<int64_t>(chunks[i].tokens.size());
+      if (j.draft_done < n) continue;
+      absl::StatusOr<std::vector<uint64_t>> sums =
+          services::PoolChecksums(draft_engine_->kv(), j.draft.local_blocks, n);
+      if (sums.ok()) {
+        j.draft_checksums = std::move(*sums);
+      } else {
+        j.with_draft = false;
+      }
+    }
+    // The target finished first: the compute ends with the draft's.
+    if (j.first_token >= 0 && j.n_done >= n) {
+      j.compute_end = std::max(j.compute_end, absl::Now());
+      EndCompute(jobs[i], absl::OkStatus());
+    }
+  }
+  return true;
+}
+
+void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, bool draft, int64_t start,
+                                    int64_t n, int32_t layer) {
   Job& job = *keep;
-  engine::KvCache& kv = engine_->kv();
+  engine::KvCache& kv = draft ? draft_engine_->kv() : engine_->kv();
+  const std::vector<int32_t>& local_blocks = draft ? job.draft.local_blocks : job.local_blocks;
+  const std::vector<int32_t>& dst_blocks = draft ? job.draft.dst_blocks : job.dst_blocks;
+  const uint64_t layer_stride = draft ? job.draft.layer_stride : job.layer_stride;
+  const uint64_t kv_stride = draft ? job.draft.kv_stride : job.kv_stride;
   const int64_t bs = kv.block_size();
   const uint64_t block_bytes = kv.block_bytes();
   const uint64_t slot_bytes = kv.slot_bytes();  // quantised slots carry their scales
@@ -763,11 +909,11 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t st
     const int64_t s0 = pos - bi * bs;
     const int64_t s1 = std::min(bs, start + n - bi * bs);
     const uint64_t len = uint64_t(s1 - s0) * slot_bytes;
-    const uint64_t local = uint64_t(job.local_blocks[bi]) * block_bytes + s0 * slot_bytes;
-    const uint64_t remote = uint64_t(layer) * job.layer_stride +
-                            uint64_t(job.dst_blocks[bi]) * block_bytes + s0 * slot_bytes;
+    const uint64_t local = uint64_t(local_blocks[bi]) * block_bytes + s0 * slot_bytes;
+    const uint64_t remote = uint64_t(layer) * layer_stride +
+                            uint64_t(dst_blocks[bi]) * block_bytes + s0 * slot_bytes;
     ops.push_back({k + local, len, remote});
-    ops.push_back({v + local, len, remote + job.kv_stride});
+    ops.push_back({v + local, len, remote + kv_stride});
     pos = bi * bs + s1;
   }
   uint64_t bytes = 0;
@@ -787,7 +933,8 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, int64_t st
     ++job.writes_in_flight;
   }
   // The callback may run inline or on the transport's thread; it holds the job alive.
-  o_.transport->WriteAsync(job.region, std::move(ops), job.write_deadline,
+  o_.transport->WriteAsync(draft ? job.draft.region : job.region, std::move(ops),
+                           job.write_deadline,
                            [this, keep, bytes](absl::Status s) {
                              bool ready = false;
                              {
@@ -813,6 +960,7 @@ void PrefillWorker::PostReady(std::shared_ptr<Job> job) {
 void PrefillWorker::EndCompute(const std::shared_ptr<Job>& job, absl::Status status) {
   job->compute_status = std::move(status);
   job->n_done = static_cast<int64_t>(job->prompt.size());  // nothing more to compute
+  job->draft_done = job->n_done;
   bool drained;
   {
     absl::MutexLock l(&job->mu);
@@ -862,6 +1010,10 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
     r.set_onboard_seconds(job->onboard_seconds);
     r.set_onboard_tier(job->onboard_tier);
     r.set_published_blocks(job->published_blocks);
+    if (job->with_draft && !job->draft_checksums.empty()) {
+      for (uint64_t c : job->draft_checksums) r.add_draft_block_checksums(c);
+      r.set_draft_compute_seconds(job->draft_seconds);
+    }
     if (cache_ != nullptr) {
       for (uint64_t h : job->hashes) r.add_cached_block_hashes(h);
     }

@@ -34,6 +34,12 @@
 // transfer of each successful request (its bytes, and the transfer time compute did not hide:
 // PrefillResponse.transfer_seconds), running, waiting and local KV usage after every turn, and
 // the prefix cache's queries and hits (in blocks, own cache and kvstore together).
+// A draft model (--speculative self:TYPE or draft:PATH) is loaded here too. When a destination
+// asks for the draft's prompt K/V (KvDestination.draft), the draft runs over the whole prompt
+// in its own engine and pool, in the same engine turns as the target's chunks, and its K/V go to
+// the decode worker's draft blocks layer by layer, under the same deadline and lease; the answer
+// waits for both and carries the draft blocks' checksums. A draft that cannot run (no local
+// draft blocks free, a failed draft step) leaves them unsent: decode then computes them.
 // Errors: INVALID_ARGUMENT (bad prompt, sampling or destination), FAILED_PRECONDITION (the
 // destination's KV layout differs from this worker's), ALREADY_EXISTS (id in flight),
 // CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE (peer unreachable, or shutting down).
@@ -92,8 +98,10 @@ struct PrefillWorkerOptions {
   // still be writing); on top of the read's own timeout.
   absl::Duration read_quarantine = absl::Seconds(2);
   // Must agree with the decode workers' (the destination's speculative field), checked on
-  // every Prefill. Prefill itself does no speculation for the n-gram proposer.
+  // every Prefill. With a draft model, Create loads it to compute drafts' prompt K/V, unless
+  // draft_kv is off (--draft-kv decode: decode workers compute them).
   engine::SpeculativeOptions speculative;
+  bool draft_kv = true;
 };
 
 class PrefillWorker {
@@ -117,12 +125,17 @@ class PrefillWorker {
   // a kvstore. For tests and benchmarks.
   bool WaitForPublishing(absl::Duration timeout);
 
+  // Blocks of the draft model's local pool in use, as of the engine thread's last turn; 0
+  // without a draft. For tests: at rest it must be 0.
+  int32_t draft_blocks_in_use() const { return draft_blocks_in_use_.load(); }
+
   const std::string& worker_id() const { return o_.worker_id; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
 
  private:
   struct Job;
+  struct KvSend;
   PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engine::Engine> engine);
   absl::StatusOr<std::shared_ptr<Job>> MakeJob(const v1::PrefillRequest& req,
                                                absl::Time deadline) const;
@@ -130,7 +143,12 @@ class PrefillWorker {
   // Engine-thread helpers.
   void Admit();
   bool ComputeStep();
-  void PostLayerWrites(const std::shared_ptr<Job>& job, int64_t start, int64_t n, int32_t layer);
+  // Runs the draft over the prompts of jobs that send its K/V; true if it computed anything.
+  bool DraftStep();
+  // The target's, or with `draft` the draft's, K/V of positions [start, start + n) of layer
+  // `layer`, written to the destination.
+  void PostLayerWrites(const std::shared_ptr<Job>& job, bool draft, int64_t start, int64_t n,
+                       int32_t layer);
   void EndCompute(const std::shared_ptr<Job>& job, absl::Status status);
   void Finalize(const std::shared_ptr<Job>& job);
   void Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result);
@@ -148,6 +166,8 @@ class PrefillWorker {
 
   PrefillWorkerOptions o_;
   std::unique_ptr<engine::Engine> engine_;
+  // The draft model's engine (its own pool), with --speculative self:TYPE or draft:PATH.
+  std::unique_ptr<engine::Engine> draft_engine_;
   int32_t kv_blocks_total_ = 0;
   std::string transport_name_;
   std::unique_ptr<engine::PrefixCache> cache_;  // engine thread only; null when off
@@ -181,6 +201,8 @@ class PrefillWorker {
   bool admit_blocked_ = false;                // the queue head did not fit; wait for frees
   bool shutting_down_ = false;                // cancelled requests then answer UNAVAILABLE
   std::vector<float> logits_;
+  std::vector<float> draft_logits_;  // none are asked for; Step's output argument
+  std::atomic<int32_t> draft_blocks_in_use_{0};
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;

@@ -513,6 +513,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   *dreq.mutable_sampling() = sampling;
   dreq.set_first_token_id(pr.first_token_id());
   *dreq.mutable_block_checksums() = pr.block_checksums();
+  *dreq.mutable_draft_block_checksums() = pr.draft_block_checksums();
   // For the decode worker's kv_transfer_* series.
   dreq.set_kv_transfer_bytes(pr.bytes_transferred());
   dreq.set_kv_transfer_seconds(pr.transfer_seconds());

@@ -430,12 +430,24 @@ TEST_F(ClusterTest, SpeculativeOnePrefillOneDecodeMatchesGenerate) {
   EXPECT_NE(bad.err.find("unknown --speculative"), std::string::npos) << bad.err;
 }
 
-// The model as its own Q4_0 draft across processes: the decode worker loads the draft and
-// computes its prompt K/V from the prefilled tokens; 20 prompts equal `tandem generate`'s.
+// The model as its own Q4_0 draft across processes: both workers load the draft, prefill sends
+// its prompt K/V over UCX with the target's; 20 prompts equal `tandem generate`'s, and
+// `tandem bench` reports the acceptance the decode worker measured.
 TEST_F(ClusterTest, SelfDraftOnePrefillOneDecodeMatchesGenerate) {
   Cluster cluster("selfdraft", 1, 1, " --kvstore 0 --speculative self:q4_0 --spec-tokens 3");
   ASSERT_TRUE(cluster.up()) << cluster.error();
   ExpectIdenticalToGenerate(cluster, /*clients=*/2);
+  const fs::path out = cluster.dir() / "bench.json";
+  Result bench = RunTandem(absl::StrCat("bench --router ", cluster.router(),
+                                        " --num-requests 4 --concurrency 2 --input-len 40",
+                                        " --output-len 24 --seed 3 --out ", Quote(out.string())),
+                           120);
+  ASSERT_EQ(bench.exit_code, 0) << bench.err << bench.out;
+  const json spec = json::parse(std::ifstream(out))["speculative"];
+  EXPECT_GT(spec["verify_steps"].get<int64_t>(), 0) << spec;
+  EXPECT_GE(spec["draft_tokens"].get<int64_t>(), spec["accepted_tokens"].get<int64_t>());
+  EXPECT_GE(spec["mean_accept_length"].get<double>(), 1.0);
+  EXPECT_NE(bench.out.find("Mean tokens per verify step"), std::string::npos) << bench.out;
 }
 
 // The deployed shape on loopback: two routers, every worker registered with both; a request

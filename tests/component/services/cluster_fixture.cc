@@ -98,6 +98,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   d.before_step = o.before_step;
   d.quarantine = o.decode_quarantine;
   d.speculative = o.decode_speculative;
+  d.draft_kv_from_prefill = o.decode_draft_kv;
   auto dw = decode::DecodeWorker::Create(d);
   EXPECT_TRUE(dw.ok()) << dw.status();
   decode = std::move(*dw);
@@ -107,6 +108,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   p.engine = TestEngineOptions(o.prefill_max_batch_tokens, o.kv_type);
   p.worker_id = "prefill-0";
   p.speculative = o.prefill_speculative;
+  p.draft_kv = o.prefill_draft_kv;
   p.transport = prefill_transport.get();
   p.before_step = o.prefill_before_step;
   p.prefix_cache = o.prefill_prefix_cache;
@@ -212,6 +214,7 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   *dr.mutable_sampling() = pr.sampling();
   dr.set_first_token_id(presp.first_token_id());
   *dr.mutable_block_checksums() = presp.block_checksums();
+  *dr.mutable_draft_block_checksums() = presp.draft_block_checksums();
   g = Decode(dr);
   g.prefill = presp;
   return g;

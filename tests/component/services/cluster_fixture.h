@@ -66,6 +66,10 @@ struct ClusterOptions {
   // Each worker's speculative configuration (the reserve handshake compares them).
   engine::SpeculativeOptions decode_speculative;
   engine::SpeculativeOptions prefill_speculative;
+  // With a draft model, --draft-kv of each worker: decode asks prefill for the draft's prompt
+  // K/V, and prefill loads the draft to compute them (true: "prefill"), or not ("decode").
+  bool decode_draft_kv = true;
+  bool prefill_draft_kv = true;
 };
 
 class TestCluster {

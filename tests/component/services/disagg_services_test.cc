@@ -151,6 +151,111 @@ TEST_P(HandoffTest, SpeculativeDecodeMatchesOneProcessScheduler) {
   }
 }
 
+// A draft model's prompt K/V: computed by prefill beside the target's and written in the same
+// transfer (the default), or computed by decode (--draft-kv decode on both), or asked for by
+// decode from a prefill that has no draft (it then sends none and decode computes them). Every
+// way gives the reference's tokens, the draft's blocks travel exactly when they should, and
+// both draft pools end empty.
+TEST_P(HandoffTest, DraftKvIsSentWithTheTargetsOrComputedOnDecode) {
+  if (!std::filesystem::exists(model_->file().path())) GTEST_SKIP() << "no model file";
+  struct Mode {
+    const char* name;
+    bool decode_asks;
+    bool prefill_has_draft;
+  };
+  const engine::ModelConfig& cfg = model_->config();
+  const uint64_t elem = GetParam().kv_type == kernels::DType::kF16 ? 2 : 4;
+  // self:q8_0 has the target's shape, so its K/V are as many bytes again.
+  const uint64_t bytes_per_pos = 2ull * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * elem;
+  for (const Mode& mode : {Mode{"prefill", true, true}, Mode{"decode", false, false},
+                           Mode{"no draft on prefill", true, false}}) {
+    SCOPED_TRACE(mode.name);
+    ClusterOptions co;
+    co.kv_type = GetParam().kv_type;
+    co.decode_speculative = *engine::ParseSpeculative("self:q8_0", 4);
+    co.decode_speculative.adaptive = false;  // draft every step
+    co.prefill_speculative = co.decode_speculative;
+    co.decode_draft_kv = mode.decode_asks;
+    co.prefill_draft_kv = mode.prefill_has_draft;
+    TestCluster c(model_, co);
+    int n = 0;
+    for (int len : {3, 16, 40, 97}) {
+      std::vector<int32_t> prompt = {1};
+      const auto phrase = TestPrompt(len / 2 + 1, 500 + len);
+      for (int r = 0; r < 2; ++r) prompt.insert(prompt.end(), phrase.begin() + 1, phrase.end());
+      const engine::SamplingParams sp = Greedy(20);
+      const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+      const Generated got = c.Generate(absl::StrCat("draft-kv-", n++), prompt, sp);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      const int64_t blocks = services::BlocksFor(static_cast<int64_t>(prompt.size()), 16);
+      EXPECT_EQ(got.tokens, ref.tokens) << "prompt " << prompt.size();
+      EXPECT_GT(got.usage.spec_verify_steps(), 0);
+      EXPECT_GE(got.usage.spec_draft_tokens(), got.usage.spec_accepted_tokens());
+      if (mode.decode_asks && mode.prefill_has_draft) {
+        EXPECT_EQ(got.prefill.draft_block_checksums_size(), blocks);
+        EXPECT_GT(got.prefill.draft_compute_seconds(), 0);
+        EXPECT_EQ(got.prefill.bytes_transferred(), 2 * bytes_per_pos * prompt.size());
+      } else {
+        EXPECT_EQ(got.prefill.draft_block_checksums_size(), 0);
+        EXPECT_EQ(got.prefill.bytes_transferred(), bytes_per_pos * prompt.size());
+      }
+    }
+    ExpectPoolsAtRest(c);
+    EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 0u);
+    // Draft blocks of claimed reservations go to their sequences (or, unsent, to a short
+    // quarantine): all back once it has passed.
+    absl::SleepFor(co.decode_quarantine + absl::Milliseconds(200));
+    absl::StatusOr<int32_t> in_use = c.decode->DraftBlocksInUse();
+    ASSERT_TRUE(in_use.ok()) << in_use.status();
+    EXPECT_EQ(*in_use, 0);
+    EXPECT_EQ(c.prefill->draft_blocks_in_use(), 0);
+  }
+}
+
+// A draft block that arrives damaged is never proposed from: decode counts the integrity
+// failure, computes the draft's K/V itself, and the output is still the reference's.
+TEST_P(HandoffTest, DamagedDraftKvIsRecomputedNotUsed) {
+  if (!std::filesystem::exists(model_->file().path())) GTEST_SKIP() << "no model file";
+  ClusterOptions co;
+  co.kv_type = GetParam().kv_type;
+  co.decode_speculative = *engine::ParseSpeculative("self:q8_0", 4);
+  co.decode_speculative.adaptive = false;
+  co.prefill_speculative = co.decode_speculative;
+  TestCluster c(model_, co);
+  const std::vector<int32_t> prompt = TestPrompt(40, 77);
+  const engine::SamplingParams sp = Greedy(16);
+  const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+  absl::StatusOr<v1::ReserveResponse> r = c.Reserve("bad-draft", prompt.size(), sp.max_tokens);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->destination().has_draft());
+  v1::PrefillRequest preq;
+  preq.set_request_id("bad-draft");
+  preq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+  *preq.mutable_sampling() = services::SamplingToProto(sp);
+  *preq.mutable_destination() = r->destination();
+  v1::PrefillResponse presp;
+  ASSERT_TRUE(c.Prefill(preq, &presp).ok());
+  ASSERT_EQ(presp.draft_block_checksums_size(), 3);
+  v1::DecodeRequest dr;
+  dr.set_request_id("bad-draft");
+  dr.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+  *dr.mutable_sampling() = services::SamplingToProto(sp);
+  dr.set_first_token_id(presp.first_token_id());
+  *dr.mutable_block_checksums() = presp.block_checksums();
+  *dr.mutable_draft_block_checksums() = presp.draft_block_checksums();
+  dr.set_draft_block_checksums(1, presp.draft_block_checksums(1) ^ 1);
+  const Generated got = c.Decode(dr);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, ref.tokens);
+  EXPECT_GT(got.usage.spec_verify_steps(), 0);
+  EXPECT_EQ(c.DecodeStats().kv_integrity_failures(), 1u);
+  ExpectPoolsAtRest(c);
+  absl::SleepFor(co.decode_quarantine + absl::Milliseconds(200));
+  absl::StatusOr<int32_t> in_use = c.decode->DraftBlocksInUse();
+  ASSERT_TRUE(in_use.ok()) << in_use.status();
+  EXPECT_EQ(*in_use, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, HandoffTest,
                          ::testing::Values(HandoffParam{"tiny", kernels::DType::kF32},
                                            HandoffParam{"tiny", kernels::DType::kF16},
