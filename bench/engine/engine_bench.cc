@@ -10,9 +10,10 @@
 //            tokens each (greedy, ignore_eos) through engine::Scheduler: aggregate generated
 //            tokens per second from submission until the last request finishes, the measure the
 //            llama-server client of run.sh also reports.
-//   verify   speculative verification's cost: one Engine::Step of a chunk of k+1 tokens with
-//            k+1 logit rows at position --decode-prompt, for k = 0 .. --verify-max, the median
-//            step time of each and its ratio to k = 0 (a plain decode step).
+//   verify   speculative verification's cost: one Engine::Step of --verify-batch sequences, each
+//            a chunk of k+1 tokens with k+1 logit rows at position --decode-prompt, for k = 0 ..
+//            --verify-max, the median step time of each and its ratio to k = 0 (a plain decode
+//            step of that batch).
 //   matmul   only the weight matmuls of one step (every layer's seven and the classifier) at
 //            batch --matmul-batch: the kernel ceiling that decode's other work eats into.
 //   kernel   one thread, no pool: the first --kernel-kib KiB of rows of layer 0's gate matrix
@@ -73,6 +74,7 @@ struct Options {
   int32_t kernel_kib = 256;
   int32_t batch_tokens = 512;
   int32_t verify_max = 8;
+  int32_t verify_batch = 1;
   // Batch mode: the scheduler's speculation (off, or ngram with its draft length and gate).
   engine::SpeculativeOptions speculative;
   // Made once (a draft model loads at start), shared by every batch run in turn.
@@ -228,19 +230,28 @@ absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int
   return r;
 }
 
-// Median seconds of one step verifying k drafts (a chunk of k+1 tokens, k+1 logit rows) after
-// `prefix` positions, over `iters` steps that rewrite the same positions.
-absl::StatusOr<double> VerifyStepSeconds(engine::Engine& eng, const std::vector<int32_t>& blocks,
+// Median seconds of one step verifying k drafts in each sequence (a chunk of k+1 tokens and k+1
+// logit rows per sequence of `blocks`) after `prefix` positions, over `iters` steps that
+// rewrite the same positions.
+absl::StatusOr<double> VerifyStepSeconds(engine::Engine& eng,
+                                         const std::vector<std::vector<int32_t>>& blocks,
                                          int32_t prefix, int32_t k, int32_t iters,
                                          std::mt19937_64& rng) {
-  const std::vector<int32_t> chunk = RandomTokens(rng, k + 1, eng.model().config().n_vocab);
-  engine::SeqChunk ch{chunk, prefix, blocks, true};
-  ch.n_logits = k + 1;
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<engine::SeqChunk> chunks;
+  for (size_t s = 0; s < blocks.size(); ++s) {
+    tokens.push_back(RandomTokens(rng, k + 1, eng.model().config().n_vocab));
+  }
+  for (size_t s = 0; s < blocks.size(); ++s) {
+    engine::SeqChunk ch{tokens[s], prefix, blocks[s], true};
+    ch.n_logits = k + 1;
+    chunks.push_back(ch);
+  }
   std::vector<float> logits;
   std::vector<double> secs;
   for (int32_t i = 0; i < iters; ++i) {
     const auto t0 = Clock::now();
-    TANDEM_RETURN_IF_ERROR(eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits));
+    TANDEM_RETURN_IF_ERROR(eng.Step(chunks, &logits));
     secs.push_back(SecondsSince(t0));
   }
   return Median(secs);
@@ -406,14 +417,20 @@ absl::Status Run(const Options& o) {
                     {"decode_phase_tokens_per_s", Series(dtps)}};
     } else if (mode == "verify") {
       const int32_t prefix = std::max(o.decode_prompt, 1);
-      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, prefix + o.verify_max + 1, 1));
-      TANDEM_ASSIGN_OR_RETURN(
-          std::vector<int32_t> blocks,
-          eng->kv().pool().AllocateN(BlocksFor(*eng, prefix + o.verify_max + 1)));
-      const std::vector<int32_t> prompt = RandomTokens(rng, prefix, c.n_vocab);
-      engine::SeqChunk pre{prompt, 0, blocks, false};
+      const int32_t batch = o.verify_batch;
+      TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, prefix + o.verify_max + 1, batch));
+      std::vector<std::vector<int32_t>> blocks;
       std::vector<float> logits;
-      TANDEM_RETURN_IF_ERROR(eng->Step(std::span<const engine::SeqChunk>(&pre, 1), &logits));
+      for (int32_t s = 0; s < batch; ++s) {
+        TANDEM_ASSIGN_OR_RETURN(
+            std::vector<int32_t> b,
+            eng->kv().pool().AllocateN(BlocksFor(*eng, prefix + o.verify_max + 1)));
+        blocks.push_back(std::move(b));
+        // Each prompt alone: a step takes at most --batch-tokens tokens.
+        const std::vector<int32_t> prompt = RandomTokens(rng, prefix, c.n_vocab);
+        engine::SeqChunk pre{prompt, 0, blocks.back(), false};
+        TANDEM_RETURN_IF_ERROR(eng->Step(std::span<const engine::SeqChunk>(&pre, 1), &logits));
+      }
       TANDEM_RETURN_IF_ERROR(VerifyStepSeconds(*eng, blocks, prefix, o.verify_max, 2, rng).status());
       // Rounds over k = 0..max in turn, so drift in the machine's speed spreads over every k.
       std::vector<std::vector<double>> ms(o.verify_max + 1);
@@ -429,8 +446,8 @@ absl::Status Run(const Options& o) {
         rows.push_back({{"k", k}, {"step_ms", Series(ms[k])},
                         {"ratio_to_decode", base > 0 ? Median(ms[k]) / base : 0}});
       }
-      eng->kv().pool().UnrefAll(blocks);
-      j["verify"] = {{"prefix", prefix}, {"steps", rows}};
+      for (const auto& b : blocks) eng->kv().pool().UnrefAll(b);
+      j["verify"] = {{"prefix", prefix}, {"batch", batch}, {"steps", rows}};
     } else if (mode == "matmul") {
       util::ThreadPool pool(o.threads);
       MatmulSweep s = PrepareSweep(*model, o.matmul_batch);
@@ -493,6 +510,8 @@ int main(int argc, char** argv) {
   app.add_option("--modes", modes,
                  "Comma list of decode,prefill,batch,verify,matmul,kernel,pool");
   app.add_option("--verify-max", o.verify_max, "Largest draft count k of the verify mode");
+  app.add_option("--verify-batch", o.verify_batch, "Sequences verified together in the verify mode")
+      ->check(CLI::Range(1, 256));
   std::string spec = "off";
   int32_t spec_tokens = 4, spec_max_batch = 8;
   app.add_option("--speculative", spec, "Batch mode: off, ngram, self:TYPE or draft:PATH");

@@ -16,6 +16,12 @@
 #             (self:q4_0) adaptive, and the same drafting 4 tokens every step (--spec-fixed);
 #             then decode and prefill of llama-1b Q8_0 and Q4_0 (the draft's step cost, and what
 #             recomputing the draft's prompt K/V on decode costs).
+#   draftkv   where the draft's prompt K/V come from in a 1 prefill + 1 decode cluster (separate
+#             processes over UCX, each pinned to its own core, one thread each), llama-1b Q8_0
+#             with self:q4_0: sent by prefill with the target's (--draft-kv prefill) against
+#             computed by decode on the first proposal (--draft-kv decode), at prompt lengths
+#             DRAFTKV_LENS (128 512 2048), `tandem bench` with 32 output tokens at concurrency 1
+#             and 3. (No pairs: each cluster serves every length in one start.)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -61,7 +67,8 @@ if [[ " $CASES " == *" ngram "* ]]; then
 fi
 
 L1B="$MODEL_DIR/llama-1b-q8_0.gguf"
-if [[ " $CASES " == *" verify "* || " $CASES " == *" batch32 "* || " $CASES " == *" self "* ]] &&
+if [[ " $CASES " == *" verify "* || " $CASES " == *" batch32 "* || " $CASES " == *" self "* ||
+  " $CASES " == *" draftkv "* ]] &&
   [[ ! -f $L1B ]]; then
   log "synthesising $L1B"
   "$TANDEM" synth --shape llama-1b --type q8_0 --out "$L1B"
@@ -106,6 +113,24 @@ if [[ " $CASES " == *" self "* ]]; then
         --n-prefill 128 --reps 1)
       record steps "$(basename "$m" .gguf)" "$p" "$j"
     done
+  done
+fi
+
+if [[ " $CASES " == *" draftkv "* ]]; then
+  for mode in prefill decode; do
+    dir="$OUT/cluster-$mode"
+    "$TANDEM" cluster up --model "$L1B" --prefill 1 --decode 1 --dir "$dir" --router-port 0 \
+      --http-port 0 --threads 1 --pin --ctx-size 4096 --speculative self:q4_0 \
+      --worker-arg=--draft-kv --worker-arg="$mode" --timeout-ms 300000 >&2
+    router=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router"])' "$dir/cluster.json")
+    for len in ${DRAFTKV_LENS:-128 512 2048}; do
+      for conc in 1 3; do
+        "$TANDEM" bench --router "$router" --num-requests $((conc * 2)) --concurrency "$conc" \
+          --input-len "$len" --output-len 32 --seed "$len" --quiet --out "$OUT/draftkv.json" >&2
+        record draftkv "$mode-$len-c$conc" 0 "$(cat "$OUT/draftkv.json")"
+      done
+    done
+    "$TANDEM" cluster down --dir "$dir" --grace-ms 3000 >&2
   done
 fi
 

@@ -13,6 +13,7 @@ def main(path):
     batch = defaultdict(list)  # variant -> [tok/s]
     selfd = defaultdict(list)  # variant -> [(decode tok/s, verify steps, accepted, drafted)]
     steps = defaultdict(lambda: defaultdict(list))  # model -> decode/prefill -> [tok/s]
+    draftkv = {}  # (mode, len, conc) -> tandem bench JSON
     for r in rows:
         res = r["result"]
         if r["case"].startswith("ngram"):
@@ -29,6 +30,9 @@ def main(path):
             b = res["batch"]
             selfd[r["variant"]].append((b["decode_phase_tokens_per_s"]["median"],
                                         b["spec_steps"], b["spec_accepted_tokens"], b["steps"]))
+        elif r["case"] == "draftkv":
+            mode, length, conc = r["variant"].split("-")
+            draftkv[(mode, int(length), int(conc[1:]))] = res
         elif r["case"] == "steps":
             steps[r["variant"]]["decode"].append(res["decode"]["tokens_per_s"]["median"])
             steps[r["variant"]]["prefill"].append(res["prefill"]["tokens_per_s"]["median"])
@@ -76,6 +80,17 @@ def main(path):
         print("|---|---|---|")
         for m in sorted(steps):
             print(f"| {m} | {med(steps[m]['decode']):.1f} | {med(steps[m]['prefill']):.1f} |")
+
+    if draftkv:
+        print()
+        print("| prompt | concurrency | draft K/V from | TTFT p50 ms | TPOT p50 ms | ITL p99 ms | "
+              "E2E p50 ms | output tok/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for (mode, length, conc) in sorted(draftkv, key=lambda k: (k[1], k[2], k[0])):
+            b = draftkv[(mode, length, conc)]
+            print(f"| {length} | {conc} | {mode} | {b['ttft_ms']['p50']:.0f} | "
+                  f"{b['tpot_ms']['p50']:.1f} | {b['itl_ms']['p99']:.0f} | "
+                  f"{b['e2e_ms']['p50']:.0f} | {b['output_token_throughput']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,11 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o, const Pl
       r.server_onboarding_s = t.prefix_onboarding();
       r.server_first_decode_s = t.first_decode_step();
     }
+    if (m.finished() && m.has_usage()) {
+      r.spec_verify_steps = m.usage().spec_verify_steps();
+      r.spec_draft_tokens = m.usage().spec_draft_tokens();
+      r.spec_accepted_tokens = m.usage().spec_accepted_tokens();
+    }
   }
   const grpc::Status gs = reader->Finish();
   r.e2e_s = SecondsBetween(sent, Clock::now());
@@ -269,6 +274,12 @@ void PrintSummary(const Run& run, const bench::Slo& slo) {
               "Output token throughput (tok/s):", s.output_token_throughput,
               "Total token throughput (tok/s):", s.total_token_throughput);
   if (slo.any()) std::printf("%-34s %.2f\n", "Request goodput (req/s):", s.goodput);
+  if (s.spec_verify_steps > 0) {
+    std::printf("%-34s %lld of %lld (%.1f%%)\n%-34s %.2f\n",
+                "Draft tokens accepted:", static_cast<long long>(s.spec_accepted_tokens),
+                static_cast<long long>(s.spec_draft_tokens), 100.0 * s.spec_acceptance_rate,
+                "Mean tokens per verify step:", s.spec_mean_accept_length);
+  }
   const std::pair<const char*, const bench::Summary*> rows[] = {
       {"TTFT", &s.ttft_ms}, {"TPOT", &s.tpot_ms}, {"ITL", &s.itl_ms}, {"E2E", &s.e2e_ms}};
   for (const auto& [name, sum] : rows) {

@@ -91,6 +91,17 @@ BenchStats ComputeStats(const std::vector<RequestResult>& results, double durati
     if (const double t = Tpot(r); t >= 0) s.tpot_values_ms.push_back(t * 1000);
     for (double g : r.itl_s) s.itl_values_ms.push_back(g * 1000);
     if (MeetsSlo(r, slo)) s.good_requests++;
+    s.spec_verify_steps += r.spec_verify_steps;
+    s.spec_draft_tokens += r.spec_draft_tokens;
+    s.spec_accepted_tokens += r.spec_accepted_tokens;
+  }
+  if (s.spec_draft_tokens > 0) {
+    s.spec_acceptance_rate =
+        static_cast<double>(s.spec_accepted_tokens) / static_cast<double>(s.spec_draft_tokens);
+  }
+  if (s.spec_verify_steps > 0) {
+    s.spec_mean_accept_length = 1.0 + static_cast<double>(s.spec_accepted_tokens) /
+                                          static_cast<double>(s.spec_verify_steps);
   }
   for (auto* v : {&s.ttft_values_ms, &s.tpot_values_ms, &s.itl_values_ms, &s.e2e_values_ms}) {
     std::sort(v->begin(), v->end());
@@ -128,7 +139,13 @@ nlohmann::json StatsJson(const BenchStats& s) {
           {"ttft_ms", SummaryJson(s.ttft_ms)},
           {"tpot_ms", SummaryJson(s.tpot_ms)},
           {"itl_ms", SummaryJson(s.itl_ms)},
-          {"e2e_ms", SummaryJson(s.e2e_ms)}};
+          {"e2e_ms", SummaryJson(s.e2e_ms)},
+          {"speculative",
+           {{"verify_steps", s.spec_verify_steps},
+            {"draft_tokens", s.spec_draft_tokens},
+            {"accepted_tokens", s.spec_accepted_tokens},
+            {"acceptance_rate", s.spec_acceptance_rate},
+            {"mean_accept_length", s.spec_mean_accept_length}}}};
 }
 
 }  // namespace tandem::tools::bench

@@ -35,6 +35,9 @@ struct RequestResult {
   // The router's TTFT breakdown from the final message (seconds), when it sent one.
   double server_queue_s = 0, server_prefill_s = 0, server_kv_transfer_s = 0,
          server_onboarding_s = 0, server_first_decode_s = 0;
+  // Speculative decoding, from the final message's usage: verify steps, draft tokens checked
+  // and those kept (all 0 for a request that did not speculate).
+  int spec_verify_steps = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
 };
 
 // SLO targets in milliseconds; 0 means no target for that metric.
@@ -73,6 +76,11 @@ struct BenchStats {
   double goodput = 0;                  // requests / s meeting every SLO (= throughput w/o SLO)
   size_t good_requests = 0;
   Summary ttft_ms, tpot_ms, itl_ms, e2e_ms;
+  // Speculative decoding over the successful requests: verify steps, draft tokens checked and
+  // kept; acceptance_rate = accepted / drafted, and mean_accept_length = tokens per verify step
+  // (the target's own token included), 0 without speculation.
+  int64_t spec_verify_steps = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
+  double spec_acceptance_rate = 0, spec_mean_accept_length = 0;
   std::vector<double> ttft_values_ms, tpot_values_ms, itl_values_ms, e2e_values_ms;  // sorted
 };
 

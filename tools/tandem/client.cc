@@ -135,6 +135,11 @@ absl::Status RunClient(const ClientOptions& o) {
     j["usage"] = {{"prompt_tokens", usage.prompt_tokens()},
                   {"completion_tokens", usage.completion_tokens()},
                   {"cached_prompt_tokens", usage.cached_prompt_tokens()}};
+    if (usage.spec_verify_steps() > 0) {
+      j["usage"]["spec_verify_steps"] = usage.spec_verify_steps();
+      j["usage"]["spec_draft_tokens"] = usage.spec_draft_tokens();
+      j["usage"]["spec_accepted_tokens"] = usage.spec_accepted_tokens();
+    }
     j["timings"] = {
         {"load_ms", MsBetween(t_start, t_sent)},
         {"ttft_ms", ttft_ms},

@@ -85,6 +85,30 @@ TEST(BenchStatsTest, ThroughputAndGoodputOnKnownRequests) {
   EXPECT_EQ(j["ttft_ms"]["count"].get<int>(), 3);
 }
 
+// Acceptance over successful requests only: rate = accepted / drafted, length = tokens per
+// verify step with the target's own token.
+TEST(BenchStatsTest, SpeculativeAcceptanceOverSuccessfulRequests) {
+  std::vector<RequestResult> rs(3);
+  rs[0].ok = true;
+  rs[0].spec_verify_steps = 10;
+  rs[0].spec_draft_tokens = 40;
+  rs[0].spec_accepted_tokens = 25;
+  rs[1].ok = true;  // did not speculate
+  rs[2].ok = false;
+  rs[2].spec_verify_steps = 50;
+  rs[2].spec_draft_tokens = 200;
+  const BenchStats s = ComputeStats(rs, 1.0, {});
+  EXPECT_EQ(s.spec_verify_steps, 10);
+  EXPECT_DOUBLE_EQ(s.spec_acceptance_rate, 25.0 / 40.0);
+  EXPECT_DOUBLE_EQ(s.spec_mean_accept_length, 1.0 + 25.0 / 10.0);
+  const nlohmann::json j = StatsJson(s);
+  EXPECT_EQ(j["speculative"]["draft_tokens"].get<int>(), 40);
+  EXPECT_DOUBLE_EQ(j["speculative"]["mean_accept_length"].get<double>(), 3.5);
+  const BenchStats none = ComputeStats({rs[1]}, 1.0, {});
+  EXPECT_EQ(none.spec_acceptance_rate, 0);
+  EXPECT_EQ(none.spec_mean_accept_length, 0);
+}
+
 TEST(BenchStatsTest, ParsesSloSpecs) {
   absl::StatusOr<Slo> s = ParseSlo("ttft:500,tpot:50");
   ASSERT_TRUE(s.ok()) << s.status();
