@@ -127,46 +127,59 @@ void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool) {
 }
 
 void PagedAttentionBatch(std::span<const PagedAttentionParams> seqs, util::ThreadPool* pool) {
-  // Work items are (sequence, query row, KV head). Causal rows differ in cost (the last row of
-  // a prefill reads every key, the first reads one), so threads take items one at a time from
-  // a shared counter, the most expensive rows of each sequence first, instead of fixed ranges.
+  // Work items are (sequence, tile of query rows, KV head): one row on the scalar path, up to
+  // kTile consecutive rows on the AVX-512 path, which loads each K and V row once for all of
+  // them. Causal rows differ in cost (the last row of a prefill reads every key, the first reads
+  // one), so threads take items one at a time from a shared counter, the most expensive tiles
+  // of each sequence first, instead of fixed ranges.
   std::vector<int64_t> first_item(seqs.size() + 1, 0);
   int64_t max_keys = 0, max_dim = 0;
   bool simd = false;
 #if TANDEM_KERNELS_X86
   simd = ActiveIsa() >= Isa::kAvx512;
 #endif
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const PagedAttentionParams& p = seqs[s];
-    first_item[s + 1] = first_item[s] + p.n_q * p.n_kv_head;
+  for (const PagedAttentionParams& p : seqs) {
     for (int64_t i = 0; i < p.n_q; ++i) max_keys = std::max<int64_t>(max_keys, p.q_pos[i] + 1);
     max_dim = std::max(max_dim, p.head_dim);
 #if TANDEM_KERNELS_X86
     simd = simd && internal::avx512::AttentionSupports(p);
 #endif
   }
+  constexpr int64_t kTile = 8;
+  const int64_t tile = simd ? kTile : 1;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const PagedAttentionParams& p = seqs[s];
+    first_item[s + 1] = first_item[s] + (p.n_q + tile - 1) / tile * p.n_kv_head;
+  }
   const int64_t items = first_item.back();
   if (items == 0) return;
   const int64_t stride = (max_keys + 15) / 16 * 16;
+#if TANDEM_KERNELS_X86
+  const int64_t score_rows = simd ? internal::avx512::ScoreRows() : 4;
+#else
+  const int64_t score_rows = 4;
+#endif
   std::atomic<int64_t> next{0};
   auto worker = [&](int) {
     thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(4 * stride + max_dim);
+    const size_t need = static_cast<size_t>(score_rows * stride + max_dim);
     if (scratch.size() < need) scratch.resize(need);
     size_t s = 0;
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       while (item >= first_item[s + 1]) ++s;
       const PagedAttentionParams& p = seqs[s];
       const int64_t local = item - first_item[s];
-      const int64_t qi = p.n_q - 1 - local / p.n_kv_head;
       const int64_t kvh = local % p.n_kv_head;
+      // Tiles from the end of the chunk: its last rows read the most keys.
+      const int64_t end = p.n_q - (local / p.n_kv_head) * tile;
+      const int64_t begin = std::max<int64_t>(0, end - tile);
 #if TANDEM_KERNELS_X86
       if (simd) {
-        internal::avx512::AttendItem(p, qi, kvh, scratch.data(), stride);
+        internal::avx512::AttendItem(p, begin, end - begin, kvh, scratch.data(), stride);
         continue;
       }
 #endif
-      AttendItemScalar(p, qi, kvh, scratch.data(), scratch.data() + 4 * stride);
+      AttendItemScalar(p, begin, kvh, scratch.data(), scratch.data() + 4 * stride);
     }
   };
   if (pool == nullptr || items == 1) {

@@ -1,8 +1,10 @@
 // AVX-512 paged attention (compiled with -mavx512f/-mavx512bw/-mavx512dq/-mavx512vl and F16C;
 // entered only when ActiveIsa() reports AVX-512). One call handles one query position and one
 // KV head: every query head of that KV head's GQA group, up to four at a time, so each K and V
-// row is loaded (and, for an f16 cache, converted) once for the whole group. Head dims that are
-// multiples of 16 up to 128 are handled; attention.cc falls back to the scalar path otherwise.
+// row is loaded (and, for an f16 cache, converted) once for the whole group. Head dims up to 128
+// are handled, in 16-float chunks; a head dim that is not a multiple of 16 (8 in small models)
+// loads its last chunk masked, its other lanes zero, so they add nothing to dot products or
+// outputs. attention.cc falls back to the scalar path past 128.
 //
 // Quantised caches (int8, fp8-e4m3; tandem/kernels/kv_quant.h) are dequantised on load to the
 // same f32 values the scalar path uses (int8: code * scale; fp8: the code widened exactly to
@@ -30,8 +32,8 @@ constexpr int kKindF32 = 0, kKindF16 = 1, kKindI8 = 2, kKindFp8 = 3;
 // 16 fp8-e4m3 codes to f32, times `scale256` (= 256 * the row's scale). The low 7 bits shifted
 // left by 7 are the same exponent and mantissa as an f16 with bias 15 instead of 7, subnormals
 // included, so the f16 is the code's value times 2^-8, exactly; NaN codes are patched.
-inline __m512 Fp8x16(const uint8_t* codes, __m512 scale256) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+inline __m512 Fp8x16(const uint8_t* codes, __m512 scale256, __mmask16 lanes) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(lanes, codes));
   const __m256i em = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
   __m512 f = _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(em, 7), sign));
@@ -40,19 +42,28 @@ inline __m512 Fp8x16(const uint8_t* codes, __m512 scale256) {
   return _mm512_mul_ps(f, scale256);
 }
 
-// The D 16-float chunks of kv head `kvh` at slot j of `block`.
+// Lanes of chunk c (of D) that hold elements of a head of `d` floats: all 16 but in a last,
+// partial chunk.
+template <int D>
+inline __mmask16 ChunkMask(int c, int64_t d) {
+  return c < D - 1 || d % 16 == 0 ? __mmask16(0xffff) : __mmask16((1u << (d % 16)) - 1);
+}
+
+// The D 16-float chunks of kv head `kvh` at slot j of `block` (the last one masked when the head
+// dim is not a multiple of 16: its other lanes are zero).
 template <int D, int kKind>
 inline void LoadRow(const PagedAttentionParams& p, const void* cache, int64_t block, int64_t j,
                     int64_t kvh, __m512* out) {
-  constexpr int64_t d = 16 * D;
+  const int64_t d = p.head_dim;
   if constexpr (kKind == kKindF32 || kKind == kKindF16) {
     const int64_t index = ((block * p.block_size + j) * p.n_kv_head + kvh) * d;
     for (int c = 0; c < D; ++c) {
+      const __mmask16 m = ChunkMask<D>(c, d);
       if constexpr (kKind == kKindF16) {
-        out[c] = _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + index + 16 * c)));
+        out[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+            m, static_cast<const uint16_t*>(cache) + index + 16 * c));
       } else {
-        out[c] = _mm512_loadu_ps(static_cast<const float*>(cache) + index + 16 * c);
+        out[c] = _mm512_maskz_loadu_ps(m, static_cast<const float*>(cache) + index + 16 * c);
       }
     }
   } else {
@@ -68,13 +79,16 @@ inline void LoadRow(const PagedAttentionParams& p, const void* cache, int64_t bl
     if constexpr (kKind == kKindI8) {
       const __m512 vs = _mm512_set1_ps(scale);
       for (int c = 0; c < D; ++c) {
-        const __m512i q = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)));
+        const __m512i q =
+            _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(ChunkMask<D>(c, d), codes + 16 * c));
         out[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), vs);
       }
     } else {
       const __m512 vs = _mm512_set1_ps(scale * 256.0f);
-      for (int c = 0; c < D; ++c) out[c] = Fp8x16(codes + 16 * c, vs);
+      for (int c = 0; c < D; ++c) {
+        const __mmask16 m = ChunkMask<D>(c, d);
+        out[c] = _mm512_maskz_mov_ps(m, Fp8x16(codes + 16 * c, vs, m));
+      }
     }
   }
 }
@@ -98,49 +112,94 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Query heads h0 .. h0+NG-1 (all of KV head kvh) at query row qi; D = head_dim / 16.
-// scores: NG rows of `stride` floats.
-template <int D, int NG, int kKind>
-void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t h0,
-                 float* scores, int64_t stride) {
-  constexpr int64_t d = 16 * D;
-  const int64_t n_keys = p.q_pos[qi] + 1;
+// Query heads h0 .. h0+NG-1 (all of KV head kvh) at query rows qi0 .. qi0+nr-1 (nr <= R) of
+// one sequence; D = ceil(head_dim / 16). Every K and V row is loaded once for all of them, so a
+// chunk of several rows (a verify chunk, a prefill) reads the cache once per R rows. Each row
+// sees its own keys 0 .. q_pos: scores past them are computed but never read, and V rows past
+// them are not added.
+// scores: R * NG rows of `stride` floats.
+template <int D, int NG, int R, int kKind>
+void AttendRows(const PagedAttentionParams& p, int64_t qi0, int nr, int64_t kvh, int64_t h0,
+                float* scores, int64_t stride) {
+  const int64_t d = p.head_dim;
   const int64_t bs = p.block_size;
   const __m512 scale = _mm512_set1_ps(p.scale);
-
-  __m512 q[NG][D];
-  for (int g = 0; g < NG; ++g) {
-    const float* qg = p.q + qi * p.q_stride + (h0 + g) * d;
-    for (int c = 0; c < D; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qg + 16 * c), scale);
+  int64_t keys[R];
+  int64_t n_keys = 0, min_keys = INT64_MAX;
+  for (int r = 0; r < nr; ++r) {
+    keys[r] = p.q_pos[qi0 + r] + 1;
+    n_keys = std::max(n_keys, keys[r]);
+    min_keys = std::min(min_keys, keys[r]);
   }
+  // Row r, head g at [r * NG + g].
+  __m512 q[R * NG][D];
+  for (int r = 0; r < nr; ++r) {
+    for (int g = 0; g < NG; ++g) {
+      const float* qg = p.q + (qi0 + r) * p.q_stride + (h0 + g) * d;
+      for (int c = 0; c < D; ++c) {
+        q[r * NG + g][c] =
+            _mm512_mul_ps(_mm512_maskz_loadu_ps(ChunkMask<D>(c, d), qg + 16 * c), scale);
+      }
+    }
+  }
+  const int rows = nr * NG;
 
   // Pass 1: scores, block by block of the table.
   for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
     const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if constexpr (D == 1 && kKind == kKindF32) {
+      // A head shorter than 16 floats (8 in small models): a reduction per key would cost more
+      // than its dot product, so 16 keys at a time, one element of all 16 per gather, and the
+      // 16 scores come out in one register.
+      if (d < 16) {
+        const float* base = static_cast<const float*>(p.k_cache) +
+                            ((block * bs) * p.n_kv_head + kvh) * d;
+        const __m512i lanes = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(static_cast<int32_t>(p.n_kv_head * d)));
+        alignas(64) float qs[R * NG][16];
+        for (int x = 0; x < rows; ++x) _mm512_store_ps(qs[x], q[x][0]);
+        for (; j + 16 <= n; j += 16) {
+          const __m512i idx = _mm512_add_epi32(
+              lanes, _mm512_set1_epi32(static_cast<int32_t>(j * p.n_kv_head * d)));
+          __m512 acc[R * NG];
+          for (int x = 0; x < rows; ++x) acc[x] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < d; ++i) {
+            const __m512 k = _mm512_i32gather_ps(idx, base + i, 4);
+            for (int x = 0; x < rows; ++x) {
+              acc[x] = _mm512_fmadd_ps(_mm512_set1_ps(qs[x][i]), k, acc[x]);
+            }
+          }
+          for (int x = 0; x < rows; ++x) _mm512_storeu_ps(scores + x * stride + t0 + j, acc[x]);
+        }
+      }
+    }
+    for (; j < n; ++j) {
       __m512 k[D];
       LoadRow<D, kKind>(p, p.k_cache, block, j, kvh, k);
-      for (int g = 0; g < NG; ++g) {
-        __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
-        for (int c = 1; c < D; ++c) acc = _mm512_fmadd_ps(q[g][c], k[c], acc);
-        scores[g * stride + t0 + j] = _mm512_reduce_add_ps(acc);
+      for (int x = 0; x < rows; ++x) {
+        __m512 acc = _mm512_mul_ps(q[x][0], k[0]);
+        for (int c = 1; c < D; ++c) acc = _mm512_fmadd_ps(q[x][c], k[c], acc);
+        scores[x * stride + t0 + j] = _mm512_reduce_add_ps(acc);
       }
     }
   }
 
-  // Softmax weights, unnormalised; 1/sum is applied to the output.
-  float inv[NG];
-  for (int g = 0; g < NG; ++g) {
-    float* s = scores + g * stride;
+  // Softmax weights over each row's own keys, unnormalised; 1/sum is applied to the output.
+  float inv[R * NG];
+  for (int x = 0; x < rows; ++x) {
+    float* s = scores + x * stride;
+    const int64_t nk = keys[x / NG];
     __m512 mx = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
-    for (; t + 16 <= n_keys; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n_keys - t)) - 1);
+    for (; t + 16 <= nk; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (nk - t)) - 1);
     if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= n_keys; t += 16) {
+    for (t = 0; t + 16 <= nk; t += 16) {
       const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
       sum = _mm512_add_ps(sum, e);
@@ -150,59 +209,71 @@ void AttendGroup(const PagedAttentionParams& p, int64_t qi, int64_t kvh, int64_t
       _mm512_mask_storeu_ps(s + t, tail, e);
       sum = _mm512_mask_add_ps(sum, tail, sum, e);
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[x] = 1.0f / _mm512_reduce_add_ps(sum);
   }
 
-  // Pass 2: weighted sum of V.
-  __m512 acc[NG][D];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < D; ++c) acc[g][c] = _mm512_setzero_ps();
+  // Pass 2: weighted sum of V; keys every row sees first, then each row's remaining ones.
+  __m512 acc[R * NG][D];
+  for (int x = 0; x < rows; ++x)
+    for (int c = 0; c < D; ++c) acc[x][c] = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
     const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
     for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
       __m512 v[D];
       LoadRow<D, kKind>(p, p.v_cache, block, j, kvh, v);
-      for (int g = 0; g < NG; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * stride + t0 + j]);
-        for (int c = 0; c < D; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+      for (int x = 0; x < rows; ++x) {
+        if (t >= min_keys && t >= keys[x / NG]) continue;
+        const __m512 w = _mm512_set1_ps(scores[x * stride + t]);
+        for (int c = 0; c < D; ++c) acc[x][c] = _mm512_fmadd_ps(w, v[c], acc[x][c]);
       }
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    float* out = p.out + qi * p.out_stride + (h0 + g) * d;
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < D; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[g][c], s));
+  for (int x = 0; x < rows; ++x) {
+    float* out = p.out + (qi0 + x / NG) * p.out_stride + (h0 + x % NG) * d;
+    const __m512 sc = _mm512_set1_ps(inv[x]);
+    for (int c = 0; c < D; ++c) {
+      _mm512_mask_storeu_ps(out + 16 * c, ChunkMask<D>(c, d), _mm512_mul_ps(acc[x][c], sc));
+    }
   }
 }
 
+// Rows a call of AttendRows takes at once: as many as keep its accumulators in registers.
+template <int D>
+constexpr int RowsAtOnce() {
+  return D == 1 ? 8 : D == 2 ? 4 : D <= 4 ? 2 : 1;
+}
+
 template <int D, int kKind>
-void AttendItemD(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
-                 int64_t stride) {
+void AttendItemD(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t kvh,
+                 float* scores, int64_t stride) {
+  constexpr int R = RowsAtOnce<D>();
   const int64_t group = p.n_head / p.n_kv_head;
-  int64_t h = kvh * group;
-  const int64_t end = h + group;
-  for (; h + 4 <= end; h += 4) AttendGroup<D, 4, kKind>(p, qi, kvh, h, scores, stride);
-  switch (end - h) {
-    case 3: AttendGroup<D, 3, kKind>(p, qi, kvh, h, scores, stride); break;
-    case 2: AttendGroup<D, 2, kKind>(p, qi, kvh, h, scores, stride); break;
-    case 1: AttendGroup<D, 1, kKind>(p, qi, kvh, h, scores, stride); break;
-    default: break;
+  for (int64_t qi = qi0; qi < qi0 + nq; qi += R) {
+    const int nr = static_cast<int>(std::min<int64_t>(R, qi0 + nq - qi));
+    int64_t h = kvh * group;
+    const int64_t end = h + group;
+    if constexpr (R == 1) {
+      for (; h + 4 <= end; h += 4) AttendRows<D, 4, 1, kKind>(p, qi, nr, kvh, h, scores, stride);
+    }
+    for (; h + 2 <= end; h += 2) AttendRows<D, 2, R, kKind>(p, qi, nr, kvh, h, scores, stride);
+    if (h < end) AttendRows<D, 1, R, kKind>(p, qi, nr, kvh, h, scores, stride);
   }
 }
 
 template <int kKind>
-void AttendItemT(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
-                 int64_t stride) {
-  switch (p.head_dim / 16) {
-    case 1: return AttendItemD<1, kKind>(p, qi, kvh, scores, stride);
-    case 2: return AttendItemD<2, kKind>(p, qi, kvh, scores, stride);
-    case 3: return AttendItemD<3, kKind>(p, qi, kvh, scores, stride);
-    case 4: return AttendItemD<4, kKind>(p, qi, kvh, scores, stride);
-    case 5: return AttendItemD<5, kKind>(p, qi, kvh, scores, stride);
-    case 6: return AttendItemD<6, kKind>(p, qi, kvh, scores, stride);
-    case 7: return AttendItemD<7, kKind>(p, qi, kvh, scores, stride);
-    case 8: return AttendItemD<8, kKind>(p, qi, kvh, scores, stride);
+void AttendItemT(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t kvh,
+                 float* scores, int64_t stride) {
+  switch ((p.head_dim + 15) / 16) {
+    case 1: return AttendItemD<1, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 2: return AttendItemD<2, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 3: return AttendItemD<3, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 4: return AttendItemD<4, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 5: return AttendItemD<5, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 6: return AttendItemD<6, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 7: return AttendItemD<7, kKind>(p, qi0, nq, kvh, scores, stride);
+    case 8: return AttendItemD<8, kKind>(p, qi0, nq, kvh, scores, stride);
     default: return;
   }
 }
@@ -210,19 +281,21 @@ void AttendItemT(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* 
 }  // namespace
 
 bool AttentionSupports(const PagedAttentionParams& p) {
-  return p.head_dim % 16 == 0 && p.head_dim >= 16 && p.head_dim <= 128 &&
+  return p.head_dim >= 1 && p.head_dim <= 128 &&
          (p.kv_type == DType::kF16 || p.kv_type == DType::kF32 || p.kv_type == DType::kI8 ||
           p.kv_type == DType::kFp8E4M3);
 }
 
-void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
-                int64_t stride) {
+void AttendItem(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t kvh,
+                float* scores, int64_t stride) {
   switch (p.kv_type) {
-    case DType::kF16: return AttendItemT<kKindF16>(p, qi, kvh, scores, stride);
-    case DType::kI8: return AttendItemT<kKindI8>(p, qi, kvh, scores, stride);
-    case DType::kFp8E4M3: return AttendItemT<kKindFp8>(p, qi, kvh, scores, stride);
-    default: return AttendItemT<kKindF32>(p, qi, kvh, scores, stride);
+    case DType::kF16: return AttendItemT<kKindF16>(p, qi0, nq, kvh, scores, stride);
+    case DType::kI8: return AttendItemT<kKindI8>(p, qi0, nq, kvh, scores, stride);
+    case DType::kFp8E4M3: return AttendItemT<kKindFp8>(p, qi0, nq, kvh, scores, stride);
+    default: return AttendItemT<kKindF32>(p, qi0, nq, kvh, scores, stride);
   }
 }
+
+int ScoreRows() { return 16; }  // R * NG at most: 8 rows of 2 heads, for D = 1
 
 }  // namespace tandem::kernels::internal::avx512

@@ -158,9 +158,6 @@ void SwiGlu(const float* gate, const float* up, float* out, int64_t n);
 namespace avx512 {
 TileKernels GetTileKernels(bool with_bf16);
 
-// Paged attention of one query row over one KV head (every query head of its group), for the
-// shapes AttentionSupports accepts. scores: 4 rows of `stride` >= n_keys floats (n_keys rounded
-// up to 16 is enough).
 // A tile kernel for the GEMM activation layout (nb up to kGemmTile), or null for weight types
 // without one.
 TileFn GetGemmKernel(DType weight_type);
@@ -173,8 +170,12 @@ void QuantizeQ8_0Blocks(const float* x, int64_t nblk, int8_t* q, float* scales, 
                         int32_t weight_offset);
 
 bool AttentionSupports(const PagedAttentionParams& p);
-void AttendItem(const PagedAttentionParams& p, int64_t qi, int64_t kvh, float* scores,
-                int64_t stride);
+// Query rows qi0 .. qi0+nq-1 of one sequence over one KV head (every query head of its group),
+// for the shapes AttentionSupports accepts; each K and V row is loaded once for several rows.
+// scores: ScoreRows() rows of `stride` >= the largest n_keys floats (rounded up to 16).
+void AttendItem(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t kvh,
+                float* scores, int64_t stride);
+int ScoreRows();
 }  // namespace avx512
 
 }  // namespace tandem::kernels::internal

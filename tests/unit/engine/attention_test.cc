@@ -81,7 +81,10 @@ TEST(PagedAttentionTest, MatchesReferenceOnEveryIsa) {
       {6, 3, 64, 8, 100, 100, DType::kF32},  {8, 2, 32, 16, 70, 3, DType::kF16},
       {6, 6, 48, 16, 129, 33, DType::kF16},  {32, 8, 64, 16, 300, 40, DType::kF16},
       {14, 2, 64, 16, 50, 17, DType::kF32},  {4, 1, 128, 16, 65, 9, DType::kF16},
-      {4, 2, 8, 16, 20, 20, DType::kF32},  // head_dim 8: always the scalar path
+      // Head dims that are not multiples of 16: the AVX-512 path masks its last chunk.
+      {4, 2, 8, 16, 20, 20, DType::kF32},    {8, 4, 8, 16, 300, 7, DType::kF32},
+      {8, 4, 8, 16, 45, 3, DType::kF16},     {6, 2, 24, 16, 61, 5, DType::kF32},
+      {4, 4, 72, 8, 33, 2, DType::kF16},     {2, 1, 5, 16, 19, 4, DType::kF32},
   };
   std::mt19937 rng(3);
   util::ThreadPool pool(2);
