@@ -741,8 +741,9 @@ TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
 // The reserve handshake carries decode's speculative configuration; a prefill worker set up
 // differently refuses the request before computing anything, and nothing leaks.
 TEST_F(ServicesTest, SpeculativeMismatchIsFailedPrecondition) {
-  // (decode, prefill): one side off, or two different proposers (prefill loads no draft model:
-  // decode computes the draft's K/V, so the prefill worker needs the setting only to compare).
+  // (decode, prefill): one side off, or two different proposers. (This model's file is gone
+  // once loaded, so the prefill worker runs with --draft-kv decode and loads no draft: it needs
+  // the setting only to compare.)
   const std::pair<const char*, const char*> cases[] = {
       {"ngram", "off"}, {"off", "ngram"}, {"ngram", "self:q4_0"}};
   for (const auto& [decode_spec, prefill_spec] : cases) {
@@ -750,6 +751,7 @@ TEST_F(ServicesTest, SpeculativeMismatchIsFailedPrecondition) {
     ClusterOptions co;
     co.decode_speculative = *engine::ParseSpeculative(decode_spec, 4);
     co.prefill_speculative = *engine::ParseSpeculative(prefill_spec, 4);
+    co.prefill_draft_kv = false;
     TestCluster c(model_, co);
     const v1::WorkerStats at_rest = c.DecodeStats();
     const auto prompt = TestPrompt(20, 4);
