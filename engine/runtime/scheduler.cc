@@ -315,7 +315,8 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     n_decoding += static_cast<int64_t>(sp->tokens.size()) - sp->n_cached == 1;
   }
   for (auto& sp : running_) sp->verify.clear();
-  if (proposer_ != nullptr && n_decoding <= options_.speculative.max_batch) {
+  if (proposer_ != nullptr && n_decoding <= options_.speculative.max_batch &&
+      !cost_->WantsPlainStep(n_decoding)) {
     Draft(budget, n_decoding);
   }
   int32_t drafts = 0;  // in this step, for the cost model

@@ -135,6 +135,13 @@ void SpecCostModel::ObserveStep(int32_t decoding, int32_t drafts, double seconds
   f.y = kForget * f.y + seconds;
   f.xx = kForget * f.xx + x * x;
   f.xy = kForget * f.xy + x * seconds;
+  f.since_plain = drafts == 0 ? 0 : f.since_plain + 1;
+}
+
+bool SpecCostModel::WantsPlainStep(int32_t decoding) const {
+  const Fit& f = at(decoding);
+  double alpha = 0, beta = 0;
+  return f.since_plain >= kCalibrateEvery && !Solve(f, &alpha, &beta);
 }
 
 void SpecCostModel::ObserveDraftStep(int32_t decoding, double step_seconds) {

@@ -136,14 +136,20 @@ class SpecCostModel {
   void ObserveDraftStep(int32_t decoding, double step_seconds);
   double verify_cost(int32_t decoding) const;
   double draft_cost(int32_t decoding) const;
+  // True when the next step at this batch size should not draft: the fit cannot tell alpha from
+  // beta yet because the last kCalibrateEvery steps all drafted about as much (a model draft
+  // proposing k to every sequence), so one plain step is taken to measure alpha.
+  bool WantsPlainStep(int32_t decoding) const;
 
   static constexpr double kForget = 0.97;
+  static constexpr int32_t kCalibrateEvery = 16;
   static constexpr int32_t kMaxBatch = 256;  // B above this shares the last entry
 
  private:
   struct Fit {
     double w = 0, x = 0, y = 0, xx = 0, xy = 0;  // decayed sums of 1, K, T, K^2, K*T
     double draft_step = 0;                       // EWMA of a draft step's seconds; 0: none yet
+    int32_t since_plain = 0;                     // steps since the last one without drafts
   };
   const Fit& at(int32_t decoding) const;
   Fit& at(int32_t decoding);

@@ -207,6 +207,30 @@ TEST(SpecCostModelTest, LearnsTheCostOfADraftTokenFromStepTimes) {
   EXPECT_NEAR(m.verify_cost(1), 0.05, 0.02);
 }
 
+// Steps that all draft the same amount cannot tell a plain step's time from a draft token's:
+// every kCalibrateEvery such steps the model asks for one plain step, and once it has one the
+// fit answers (and asks no more while the window holds it).
+TEST(SpecCostModelTest, AsksForAPlainStepWhenEveryStepDraftsAlike) {
+  SpeculativeOptions o = Ngram(4, 0.1);
+  o.max_batch = 8;
+  SpecCostModel m(o);
+  for (int i = 0; i < SpecCostModel::kCalibrateEvery - 1; ++i) {
+    m.ObserveStep(4, 16, 3e-3);
+    EXPECT_FALSE(m.WantsPlainStep(4)) << i;
+  }
+  m.ObserveStep(4, 16, 3e-3);
+  EXPECT_TRUE(m.WantsPlainStep(4));
+  EXPECT_FALSE(m.WantsPlainStep(2)) << "another batch size has its own fit";
+  m.ObserveStep(4, 0, 2e-3);
+  EXPECT_FALSE(m.WantsPlainStep(4));
+  for (int i = 0; i < 3 * SpecCostModel::kCalibrateEvery; ++i) {
+    m.ObserveStep(4, 16, 3e-3);
+    EXPECT_FALSE(m.WantsPlainStep(4)) << i;
+  }
+  // 4 sequences, 16 drafts cost 1 ms over a 2 ms plain step.
+  EXPECT_NEAR(m.verify_cost(4), 4 * (1e-3 / 16) / 2e-3, 0.01);
+}
+
 // With the price of a draft token measured, the draft length follows it: cheap verification
 // drafts long, dear verification stops drafting at the same acceptance.
 TEST(SpecCostModelTest, DraftLengthFollowsTheMeasuredPrice) {
