@@ -11,7 +11,8 @@
 #   verify    engine_bench --modes verify on the llama-1b shape (Q8_0): step time of a chunk of
 #             k+1 tokens with k+1 logit rows against a 1-token decode step, k = 0..8.
 #   batch32   engine_bench --modes batch, 32 sequences, on llama-1b: off, ngram behind the
-#             default gate (8), and ngram with the gate lifted (64).
+#             default gate (8), and ngram and self:q4_0 with the gate lifted (64), where only
+#             the measured cost of a draft token holds speculation back.
 #   self      engine_bench --modes batch at batch 1 on llama-1b Q8_0: off, the Q4_0 self-draft
 #             (self:q4_0) adaptive, and the same drafting 4 tokens every step (--spec-fixed);
 #             then decode and prefill of llama-1b Q8_0 and Q4_0 (the draft's step cost, and what
@@ -84,8 +85,8 @@ fi
 
 if [[ " $CASES " == *" batch32 "* ]]; then
   for ((p = 0; p < PAIRS; p++)); do
-    variants=("off 8" "ngram 8" "ngram 64")
-    ((p % 2)) && variants=("ngram 64" "ngram 8" "off 8")
+    variants=("off 8" "ngram 8" "ngram 64" "self:q4_0 64")
+    ((p % 2)) && variants=("self:q4_0 64" "ngram 64" "ngram 8" "off 8")
     for v in "${variants[@]}"; do
       read -r spec gate <<<"$v"
       j=$("$BENCH" --model "$L1B" --threads "$THREADS" --modes batch --n-seqs 32 \
@@ -127,7 +128,8 @@ if [[ " $CASES " == *" draftkv "* ]]; then
       for conc in 1 3; do
         "$TANDEM" bench --router "$router" --num-requests $((conc * 2)) --concurrency "$conc" \
           --input-len "$len" --output-len 32 --seed "$len" --quiet --out "$OUT/draftkv.json" >&2
-        record draftkv "$mode-$len-c$conc" 0 "$(cat "$OUT/draftkv.json")"
+        record draftkv "$mode-$len-c$conc" 0 \
+          "$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$OUT/draftkv.json")"
       done
     done
     "$TANDEM" cluster down --dir "$dir" --grace-ms 3000 >&2

@@ -164,8 +164,11 @@ bool SpecCostModel::Solve(const Fit& f, double* alpha, double* beta) {
 
 double SpecCostModel::verify_cost(int32_t decoding) const {
   double alpha = 0, beta = 0;
-  if (!Solve(at(decoding), &alpha, &beta)) return prior_verify_;
-  return std::min(4.0, std::max(1, decoding) * beta / alpha);
+  const double b = std::max(1, decoding);
+  // The prior is a one-sequence figure; a draft token for each of B sequences is priced as B of
+  // them, which errs on the side of not drafting in a batch that has not been measured yet.
+  if (!Solve(at(decoding), &alpha, &beta)) return std::min(kMaxCost, b * prior_verify_);
+  return std::min(kMaxCost, b * beta / alpha);
 }
 
 double SpecCostModel::draft_cost(int32_t decoding) const {
@@ -177,7 +180,7 @@ double SpecCostModel::draft_cost(int32_t decoding) const {
     if (f.w < 4 || f.x > 0) return prior_draft_;
     alpha = f.y / f.w;
   }
-  return std::min(4.0, f.draft_step / alpha);
+  return std::min(kMaxCost, f.draft_step / alpha);
 }
 
 int32_t DraftLength::Next() { return Next(o_.verify_cost + o_.draft_cost); }

@@ -126,7 +126,7 @@ std::unique_ptr<Proposer> MakeProposer(const SpeculativeOptions& o);
 // (weights decay by kForget a step), so verify_cost(B) = B * beta / alpha: one draft token for
 // each sequence costs that share of a plain step. A draft model's step time per draft position
 // over alpha gives draft_cost(B). Until a B has steps with different K (or any draft steps),
-// the options' priors answer. Single-threaded, as the scheduler.
+// the options' priors answer, verify_cost scaled by B. Single-threaded, as the scheduler.
 class SpecCostModel {
  public:
   explicit SpecCostModel(const SpeculativeOptions& o);
@@ -142,6 +142,7 @@ class SpecCostModel {
   bool WantsPlainStep(int32_t decoding) const;
 
   static constexpr double kForget = 0.97;
+  static constexpr double kMaxCost = 4.0;  // prices are capped: past 1 nothing drafts anyway
   static constexpr int32_t kCalibrateEvery = 16;
   static constexpr int32_t kMaxBatch = 256;  // B above this shares the last entry
 

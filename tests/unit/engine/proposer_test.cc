@@ -194,7 +194,7 @@ TEST(SpecCostModelTest, LearnsTheCostOfADraftTokenFromStepTimes) {
   }
   EXPECT_NEAR(m.verify_cost(1), 0.4, 0.05);
   EXPECT_NEAR(m.verify_cost(4), 4 * 0.2 / 2.0, 0.06) << "B draft tokens, one per sequence";
-  EXPECT_DOUBLE_EQ(m.verify_cost(2), 0.1) << "B = 2 has seen no steps";
+  EXPECT_DOUBLE_EQ(m.verify_cost(2), 0.2) << "B = 2 has seen no steps: the prior, per sequence";
   // Draft steps of 0.5 ms against B = 1's 1 ms plain step.
   for (int i = 0; i < 20; ++i) m.ObserveDraftStep(1, 0.5e-3);
   EXPECT_NEAR(m.draft_cost(1), 0.5, 0.05);
