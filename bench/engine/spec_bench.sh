@@ -22,7 +22,9 @@
 #             with self:q4_0: sent by prefill with the target's (--draft-kv prefill) against
 #             computed by decode on the first proposal (--draft-kv decode), at prompt lengths
 #             DRAFTKV_LENS (128 512 2048), `tandem bench` with 32 output tokens at concurrency 1
-#             and 3. (No pairs: each cluster serves every length in one start.)
+#             and 3. (No pairs: each cluster serves every length in one start.) The router's
+#             reservation lease is raised to 10 minutes: on one thread a 2048-token prefill of
+#             target and draft takes about 30 s, and queued requests wait behind it.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -122,7 +124,8 @@ if [[ " $CASES " == *" draftkv "* ]]; then
     dir="$OUT/cluster-$mode"
     "$TANDEM" cluster up --model "$L1B" --prefill 1 --decode 1 --dir "$dir" --router-port 0 \
       --http-port 0 --threads 1 --pin --ctx-size 4096 --speculative self:q4_0 \
-      --worker-arg=--draft-kv --worker-arg="$mode" --timeout-ms 300000 >&2
+      --worker-arg=--draft-kv --worker-arg="$mode" --timeout-ms 300000 \
+      --router-arg=--reserve-lease-ms --router-arg=600000 >&2
     router=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router"])' "$dir/cluster.json")
     for len in ${DRAFTKV_LENS:-128 512 2048}; do
       for conc in 1 3; do
