@@ -48,6 +48,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/draft_proposer.h"
 #include "engine/runtime/scheduler.h"
+#include "engine/runtime/step_cost.h"
 #include "nlohmann/json.hpp"
 #include "tandem/kernels/matmul.h"
 
@@ -75,6 +76,7 @@ struct Options {
   int32_t batch_tokens = 512;
   int32_t verify_max = 8;
   int32_t verify_batch = 1;
+  bool mbu = false;
   // Batch mode: the scheduler's speculation (off, or ngram with its draft length and gate).
   engine::SpeculativeOptions speculative;
   // Made once (a draft model loads at start), shared by every batch run in turn.
@@ -125,9 +127,12 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(
   return engine::Engine::Create(std::move(model), eo);
 }
 
-// Tokens per second of `n_gen` single-token steps.
+// Tokens per second of `n_gen` single-token steps. With `step_bytes` and `step_seconds`, adds
+// the engine's own record of each step (the bytes it had to move, its wall time): what the
+// workers' model bandwidth utilisation gauge divides.
 absl::StatusOr<double> DecodeOnce(engine::Engine& eng, const Options& o, int32_t n_gen,
-                                  std::mt19937_64& rng) {
+                                  std::mt19937_64& rng, double* step_bytes = nullptr,
+                                  double* step_seconds = nullptr) {
   const int32_t vocab = eng.model().config().n_vocab;
   TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> blocks,
                           eng.kv().pool().AllocateN(BlocksFor(eng, o.decode_prompt + n_gen)));
@@ -145,6 +150,10 @@ absl::StatusOr<double> DecodeOnce(engine::Engine& eng, const Options& o, int32_t
     engine::SeqChunk ch{std::span<const int32_t>(&next, 1), o.decode_prompt + i, blocks, true};
     st = eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits);
     if (st.ok()) next = Argmax(logits.data(), vocab);
+    if (st.ok() && step_bytes != nullptr) {
+      *step_bytes += eng.last_step().work.bytes;
+      *step_seconds += eng.last_step().seconds;
+    }
   }
   const double secs = SecondsSince(t0);
   eng.kv().pool().UnrefAll(blocks);
@@ -375,15 +384,27 @@ absl::Status Run(const Options& o) {
     if (mode == "decode") {
       TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.decode_prompt + o.n_gen, 1));
       TANDEM_RETURN_IF_ERROR(DecodeOnce(*eng, o, std::min(o.n_gen, 4), rng).status());
-      std::vector<double> tps;
+      std::vector<double> tps, step_gbps;
       for (int r = 0; r < o.reps; ++r) {
-        TANDEM_ASSIGN_OR_RETURN(double v, DecodeOnce(*eng, o, o.n_gen, rng));
+        double bytes = 0, secs = 0;
+        TANDEM_ASSIGN_OR_RETURN(double v, DecodeOnce(*eng, o, o.n_gen, rng, &bytes, &secs));
         tps.push_back(v);
+        step_gbps.push_back(secs > 0 ? bytes / secs / 1e9 : 0);
       }
       std::vector<double> gbps;
       for (double v : tps) gbps.push_back(v * wbytes / 1e9);
       j["decode"] = {{"n_gen", o.n_gen}, {"prompt", o.decode_prompt},
-                     {"tokens_per_s", Series(tps)}, {"weight_gb_per_s", Series(gbps)}};
+                     {"tokens_per_s", Series(tps)}, {"weight_gb_per_s", Series(gbps)},
+                     {"engine_step_gb_per_s", Series(step_gbps)}};
+      if (o.mbu) {
+        // The workers' gauge: the engine's step bytes over its step time, against the peak a
+        // worker measures at start with these threads.
+        const engine::DevicePeaks peaks = engine::MeasureCpuPeaks(o.threads);
+        std::vector<double> mbu;
+        for (double g : step_gbps) mbu.push_back(g / peaks.read_gbs);
+        j["decode"]["peak_read_gbs"] = peaks.read_gbs;
+        j["decode"]["mbu"] = Series(mbu);
+      }
     } else if (mode == "prefill") {
       TANDEM_ASSIGN_OR_RETURN(auto eng, MakeEngine(model, o, o.n_prefill, 1));
       TANDEM_RETURN_IF_ERROR(PrefillOnce(*eng, std::min(o.n_prefill, 64), rng).status());
@@ -510,6 +531,9 @@ int main(int argc, char** argv) {
   app.add_option("--modes", modes,
                  "Comma list of decode,prefill,batch,verify,matmul,kernel,pool");
   app.add_option("--verify-max", o.verify_max, "Largest draft count k of the verify mode");
+  app.add_flag("--mbu", o.mbu,
+               "decode mode: also measure the peak read bandwidth as a worker does at start and "
+               "report the model bandwidth utilisation gauge's figure");
   app.add_option("--verify-batch", o.verify_batch, "Sequences verified together in the verify mode")
       ->check(CLI::Range(1, 256));
   std::string spec = "off";

@@ -1,5 +1,7 @@
 #include "engine/runtime/engine.h"
 
+#include <chrono>
+
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -157,7 +159,9 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
       o_(o),
       device_(std::move(device)),
       kv_(std::move(kv)),
-      pool_(o.threads) {}
+      pool_(o.threads),
+      kv_bytes_per_position_(2 * int64_t{kv_->options().num_layers} *
+                             static_cast<int64_t>(kv_->slot_bytes())) {}
 
 Engine::~Engine() = default;
 
@@ -208,7 +212,23 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
                           const std::function<void(int32_t layer)>& on_layer_done) {
   int64_t T = 0;
   TANDEM_RETURN_IF_ERROR(Validate(chunks, &T));
-  if (device_ != nullptr) return device_->Step(chunks, T, *kv_, logits, on_layer_done);
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status st = device_ != nullptr
+                              ? device_->Step(chunks, T, *kv_, logits, on_layer_done)
+                              : CpuStep(chunks, T, logits, on_layer_done);
+  if (!st.ok()) return st;
+  // What the step did and took: the cost model's sample, and the work MBU and MFU divide.
+  last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  last_.shape = ShapeOf(chunks);
+  last_.work = WorkOf(*model_, kv_bytes_per_position_, chunks);
+  ++steps_;
+  cost_.Observe(last_.shape, last_.seconds);
+  return st;
+}
+
+absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
+                             std::vector<float>* logits,
+                             const std::function<void(int32_t layer)>& on_layer_done) {
   const ModelConfig& c = model_->config();
   const int64_t d = c.n_embd;
   const int64_t q_dim = int64_t{c.n_head} * c.head_dim;

@@ -30,6 +30,7 @@
 #include "common/util/thread_pool.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model.h"
+#include "engine/runtime/step_cost.h"
 #include "tandem/kernels/attention.h"
 
 namespace tandem::engine {
@@ -94,6 +95,17 @@ class Engine {
   absl::Status Step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
                     const std::function<void(int32_t layer)>& on_layer_done = nullptr);
 
+  // The last successful step: its shape, wall time and least work (engine/runtime/step_cost.h),
+  // and how many steps have succeeded; the cost model fitted over them.
+  struct StepRecord {
+    StepShape shape;
+    double seconds = 0;
+    StepWork work;
+  };
+  const StepRecord& last_step() const { return last_; }
+  int64_t steps() const { return steps_; }
+  const StepCostModel& step_cost() const { return cost_; }
+
   const Model& model() const { return *model_; }
   KvCache& kv() { return *kv_; }
   const EngineOptions& options() const { return o_; }
@@ -104,12 +116,19 @@ class Engine {
   Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
          std::unique_ptr<DeviceForward> device, std::unique_ptr<KvCache> kv);
   absl::Status Validate(std::span<const SeqChunk> chunks, int64_t* n_tokens) const;
+  absl::Status CpuStep(std::span<const SeqChunk> chunks, int64_t n_tokens,
+                       std::vector<float>* logits,
+                       const std::function<void(int32_t layer)>& on_layer_done);
 
   std::shared_ptr<const Model> model_;
   EngineOptions o_;
   std::unique_ptr<DeviceForward> device_;  // null on the CPU; owns device KV memory it made
   std::unique_ptr<KvCache> kv_;
   util::ThreadPool pool_;
+  int64_t kv_bytes_per_position_;  // K and V of every layer
+  StepRecord last_;
+  int64_t steps_ = 0;
+  StepCostModel cost_;
 
   // Scratch, grown on demand and reused between steps.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;

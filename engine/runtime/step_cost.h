@@ -1,0 +1,86 @@
+// What an engine step costs, learned from the engine's own steps, and how well it used the
+// machine.
+//
+// StepShape is what a step did: prefill tokens (every row of a chunk longer than one token),
+// decode sequences (one-token chunks) and the positions those decode rows attend to.
+// StepCostModel fits step seconds = intercept + a * prefill tokens + b * decode sequences +
+// c * decode KV tokens by least squares over the steps seen, old ones forgotten, so the router
+// (through heartbeats) and the planner can predict a step from a queue's shape. StepWork counts
+// the bytes a step had to move at least (every weight once, each sequence's K/V read once, the
+// new K/V written) and its FLOPs (two per weight per token, plus attention), which over the
+// step's time and the machine's measured peaks give model bandwidth utilisation (MBU) and model
+// FLOPs utilisation (MFU).
+//
+// Threading: StepCostModel is not thread-safe; the engine's thread owns it. MeasurePeaks spawns
+// its own threads and takes a fraction of a second.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+
+#include "engine/model/model.h"
+
+namespace tandem::engine {
+
+struct SeqChunk;
+
+struct StepShape {
+  int64_t prefill_tokens = 0;
+  int64_t decode_seqs = 0;
+  int64_t decode_kv_tokens = 0;  // positions the decode rows attend to, their own included
+};
+
+StepShape ShapeOf(std::span<const SeqChunk> chunks);
+
+// Least squares over the features (1, prefill tokens, decode sequences, decode KV tokens), with
+// the normal equations' sums decayed by kForget per step and a small ridge, so a feature that
+// never varied (no prefill on a decode worker) keeps a coefficient near 0 instead of an
+// arbitrary one.
+class StepCostModel {
+ public:
+  static constexpr double kForget = 0.995;
+
+  struct Coefficients {
+    double intercept_s = 0;
+    double prefill_token_s = 0;
+    double decode_seq_s = 0;
+    double decode_kv_token_s = 0;
+  };
+
+  void Observe(const StepShape& shape, double seconds);
+  // Predicted seconds of a step of this shape; 0 before any step was observed.
+  double Predict(const StepShape& shape) const;
+  // The fit (solved on demand; all 0 before any step).
+  Coefficients coefficients() const;
+  int64_t steps() const { return steps_; }
+  // Root mean square relative error of the prediction made just before each recent step
+  // (decayed like the fit), as a fraction; 0 before two steps.
+  double relative_rmse() const;
+
+ private:
+  static constexpr int kF = 4;
+  static std::array<double, kF> Features(const StepShape& s);
+  std::array<double, kF * kF> xx_{};
+  std::array<double, kF> xy_{};
+  double w_ = 0;
+  int64_t steps_ = 0;
+  double err2_ = 0, err_w_ = 0;
+};
+
+// Bytes and FLOPs a step needs at least, for a model and KV element size.
+struct StepWork {
+  double bytes = 0;
+  double flops = 0;
+};
+StepWork WorkOf(const Model& model, int64_t kv_bytes_per_position, std::span<const SeqChunk> chunks);
+
+// The machine's peaks that MBU and MFU are measured against.
+struct DevicePeaks {
+  double read_gbs = 0;  // 1e9 bytes/s, a STREAM-like read with the engine's threads
+  double gflops = 0;    // 1e9 FLOP/s, f32 FMAs in registers on every thread
+};
+// Measures both on the CPU with `threads` threads (a few tenths of a second, 128 MiB).
+DevicePeaks MeasureCpuPeaks(int32_t threads);
+
+}  // namespace tandem::engine

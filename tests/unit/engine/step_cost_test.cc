@@ -1,0 +1,132 @@
+// The engine's step cost model and step work: the fit recovers a known line from noisy steps,
+// the shape and work of a step are what its chunks say, an engine records every step it runs,
+// and the CPU peaks come out plausible.
+#include "engine/runtime/step_cost.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "engine/runtime/engine.h"
+#include "gtest/gtest.h"
+#include "tests/fakes/tiny_model.h"
+
+namespace tandem::engine {
+namespace {
+
+TEST(StepCostModelTest, RecoversAKnownLineFromNoisySteps) {
+  StepCostModel m;
+  EXPECT_EQ(m.Predict({10, 2, 500}), 0.0) << "no steps yet";
+  // 2 ms + 40 us per prefill token + 300 us per decode sequence + 0.5 us per KV position.
+  auto truth = [](const StepShape& s) {
+    return 2e-3 + 40e-6 * s.prefill_tokens + 300e-6 * s.decode_seqs + 0.5e-6 * s.decode_kv_tokens;
+  };
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pre(0, 256), seqs(0, 16), ctx(1, 2000);
+  std::uniform_real_distribution<double> noise(0.97, 1.03);
+  for (int i = 0; i < 3000; ++i) {
+    StepShape s;
+    s.prefill_tokens = i % 3 == 0 ? pre(rng) : 0;  // decode-only steps are the common case
+    s.decode_seqs = seqs(rng);
+    for (int64_t q = 0; q < s.decode_seqs; ++q) s.decode_kv_tokens += ctx(rng);
+    if (s.prefill_tokens + s.decode_seqs == 0) s.decode_seqs = 1, s.decode_kv_tokens = 10;
+    m.Observe(s, truth(s) * noise(rng));
+  }
+  const StepCostModel::Coefficients c = m.coefficients();
+  EXPECT_NEAR(c.intercept_s, 2e-3, 0.15e-3);
+  EXPECT_NEAR(c.prefill_token_s, 40e-6, 2e-6);
+  EXPECT_NEAR(c.decode_seq_s, 300e-6, 30e-6);
+  EXPECT_NEAR(c.decode_kv_token_s, 0.5e-6, 0.05e-6);
+  const StepShape probe{100, 8, 8000};
+  EXPECT_NEAR(m.Predict(probe), truth(probe), 0.03 * truth(probe));
+  EXPECT_GT(m.relative_rmse(), 0.005);
+  EXPECT_LT(m.relative_rmse(), 0.05) << "3% noise";
+  EXPECT_EQ(m.steps(), 3000);
+}
+
+TEST(StepCostModelTest, AFeatureThatNeverVariedStaysNearZero) {
+  // A decode worker never prefills: its prefill coefficient must not soak up anything.
+  StepCostModel m;
+  for (int i = 0; i < 500; ++i) {
+    const StepShape s{0, 1 + i % 8, 300 * (1 + i % 8)};
+    m.Observe(s, 1e-3 + 2e-4 * double(s.decode_seqs));
+  }
+  EXPECT_NEAR(m.coefficients().prefill_token_s, 0.0, 1e-6);
+  EXPECT_NEAR(m.Predict({0, 4, 1200}), 1.8e-3, 0.05e-3);
+}
+
+class EngineStepsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("step-cost-" + std::to_string(getpid()) + ".gguf"))
+            .string();
+    ASSERT_TRUE(testing::WriteTinyModel({}, path).ok());
+    auto m = Model::Load(path);
+    std::filesystem::remove(path);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = std::shared_ptr<const Model>(std::move(*m));
+  }
+  std::shared_ptr<const Model> model_;
+};
+
+TEST_F(EngineStepsTest, ShapeAndWorkFollowTheChunks) {
+  EngineOptions o;
+  o.ctx_size = 128;
+  o.max_seqs = 4;
+  auto e = Engine::Create(model_, o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  Engine& eng = **e;
+  auto a = eng.kv().pool().AllocateN(4);
+  auto b = eng.kv().pool().AllocateN(4);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<int32_t> prompt = testing::RandomTokens(20, model_->config().n_vocab, 3);
+  const std::vector<int32_t> one = {5};
+  std::vector<float> logits;
+  // A 20-token prefill chunk and, in the next step, a decode row at position 20 beside a
+  // one-token chunk of the other sequence at position 0.
+  SeqChunk pre{prompt, 0, *a, true};
+  ASSERT_TRUE(eng.Step(std::span<const SeqChunk>(&pre, 1), &logits).ok());
+  EXPECT_EQ(eng.steps(), 1);
+  EXPECT_EQ(eng.last_step().shape.prefill_tokens, 20);
+  EXPECT_EQ(eng.last_step().shape.decode_seqs, 0);
+  EXPECT_GT(eng.last_step().seconds, 0);
+  const std::vector<SeqChunk> dec = {{one, 20, *a, true}, {one, 0, *b, true}};
+  ASSERT_TRUE(eng.Step(dec, &logits).ok());
+  const Engine::StepRecord& r = eng.last_step();
+  EXPECT_EQ(eng.steps(), 2);
+  EXPECT_EQ(r.shape.prefill_tokens, 0);
+  EXPECT_EQ(r.shape.decode_seqs, 2);
+  EXPECT_EQ(r.shape.decode_kv_tokens, 21 + 1);
+  // Bytes: every weight once, then each sequence's K/V read (21 and 1 positions) and written
+  // (1 each); K and V of every layer, f32.
+  const ModelConfig& c = model_->config();
+  const double per_pos = 2.0 * c.n_layer * c.n_head_kv * c.head_dim * 4;
+  EXPECT_DOUBLE_EQ(r.work.bytes,
+                   double(model_->weight_bytes_per_token()) + per_pos * (21 + 1 + 1 + 1));
+  // FLOPs: 2 per weight element per token (the classifier for both rows), and attention over
+  // 21 and 1 positions.
+  const double d = c.n_embd, q = double(c.n_head) * c.head_dim, kv = double(c.n_head_kv) * c.head_dim;
+  const double params = c.n_layer * (d * (q + 2 * kv) + q * d + 3 * d * c.n_ff) + d * c.n_vocab;
+  EXPECT_DOUBLE_EQ(r.work.flops, 2 * params * 2 + 4.0 * c.n_layer * q * 22);
+  // A failed step records nothing.
+  const std::vector<int32_t> bad = {c.n_vocab + 3};
+  SeqChunk oops{bad, 21, *a, true};
+  EXPECT_FALSE(eng.Step(std::span<const SeqChunk>(&oops, 1), &logits).ok());
+  EXPECT_EQ(eng.steps(), 2);
+  EXPECT_EQ(eng.step_cost().steps(), 2);
+}
+
+TEST(CpuPeaksTest, PlausibleForThisMachine) {
+  const DevicePeaks p = MeasureCpuPeaks(1);
+  // A core reads 1-500 GB/s and does 1-1000 GFLOP/s of f32 FMAs on any machine this runs on.
+  EXPECT_GT(p.read_gbs, 1);
+  EXPECT_LT(p.read_gbs, 500);
+  EXPECT_GT(p.gflops, 1);
+  EXPECT_LT(p.gflops, 1000);
+}
+
+}  // namespace
+}  // namespace tandem::engine
