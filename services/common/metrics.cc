@@ -192,6 +192,16 @@ Metrics::Metrics()
                              "Draft tokens the target model accepted.", r);
   spec_acceptance_ = &Register(BuildHistogram(), "spec_acceptance_length",
                                "Draft tokens accepted per verify step.", r);
+  mbu_ = &Register(BuildGauge(), "model_bandwidth_utilization",
+                   "Bytes the recent engine steps had to move per second over the measured peak "
+                   "read bandwidth.", r);
+  mfu_ = &Register(BuildGauge(), "model_flops_utilization",
+                   "FLOPs of the recent engine steps per second over the measured peak.", r);
+  step_seconds_ = &Register(BuildHistogram(), "engine_step_seconds", "Wall time of one engine step.", r);
+  step_mbu_ = &Register(BuildHistogram(), "step_bandwidth_utilization",
+                        "Model bandwidth utilisation of one engine step.", r);
+  step_mfu_ = &Register(BuildHistogram(), "step_flops_utilization",
+                        "Model FLOPs utilisation of one engine step.", r);
 }
 
 Metrics::~Metrics() = default;
@@ -246,6 +256,20 @@ SpecMetrics& Metrics::Speculative(const std::string& model_name, const std::stri
   for (int n = 0; n <= 16; ++n) buckets.push_back(n);
   m.reset(new SpecMetrics{spec_draft_->Add(l), spec_accepted_->Add(l),
                           spec_acceptance_->Add(l, buckets)});
+  return *m;
+}
+
+UtilizationMetrics& Metrics::Utilization(const std::string& model_name, const std::string& role) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<UtilizationMetrics>& m = util_[{model_name, role}];
+  if (m != nullptr) return *m;
+  const prometheus::Labels l = BaseLabels(model_name, role);
+  // Fractions 0.05 .. 1 (and above, for a peak measured low), and step times 0.5 ms .. 10 s.
+  const std::vector<double> fractions = {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+  const std::vector<double> seconds = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                       0.25, 0.5, 1, 2.5, 5, 10};
+  m.reset(new UtilizationMetrics{mbu_->Add(l), mfu_->Add(l), step_seconds_->Add(l, seconds),
+                                 step_mbu_->Add(l, fractions), step_mfu_->Add(l, fractions)});
   return *m;
 }
 

@@ -124,6 +124,18 @@ struct SpecMetrics {
   prometheus::Histogram& acceptance;     // spec_acceptance_length, buckets 0, 1, .., 16
 };
 
+// Engine utilisation of one (model, role), from its steps (services/common/step_report.h):
+// model_bandwidth_utilization and model_flops_utilization (gauges, recent steps) and one
+// observation per engine step in engine_step_seconds, step_bandwidth_utilization and
+// step_flops_utilization (histograms).
+struct UtilizationMetrics {
+  prometheus::Gauge& mbu;
+  prometheus::Gauge& mfu;
+  prometheus::Histogram& step_seconds;
+  prometheus::Histogram& step_mbu;
+  prometheus::Histogram& step_mfu;
+};
+
 class Metrics {
  public:
   // Registers every DESIGN.md family (no series yet) on a registry of its own.
@@ -149,6 +161,8 @@ class Metrics {
   // same object afterwards.
   SpecMetrics& Speculative(const std::string& model_name, const std::string& role,
                            const std::string& proposer);
+  // The utilisation series of (model_name, role); created on first use.
+  UtilizationMetrics& Utilization(const std::string& model_name, const std::string& role);
 
   // Runs before every scrape and Render, one hook at a time: refreshes series from a source that
   // keeps its own stats (gauges Set, counters AdvanceCounterTo). Hooks must be thread-safe with
@@ -193,6 +207,13 @@ class Metrics {
   std::map<std::tuple<std::string, std::string, std::string>, std::unique_ptr<SpecMetrics>>
       spec_ ABSL_GUARDED_BY(mu_);
   prometheus::Family<prometheus::Counter>* migrations_;
+  prometheus::Family<prometheus::Gauge>* mbu_;
+  prometheus::Family<prometheus::Gauge>* mfu_;
+  prometheus::Family<prometheus::Histogram>* step_seconds_;
+  prometheus::Family<prometheus::Histogram>* step_mbu_;
+  prometheus::Family<prometheus::Histogram>* step_mfu_;
+  std::map<std::pair<std::string, std::string>, std::unique_ptr<UtilizationMetrics>> util_
+      ABSL_GUARDED_BY(mu_);
 
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<ServingMetrics>> serving_

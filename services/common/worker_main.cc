@@ -12,6 +12,7 @@
 #include "services/common/process_util.h"
 #include "services/common/registration.h"
 #include "services/common/registry_set.h"
+#include "services/common/step_report.h"
 #include "services/common/transport_factory.h"
 #include "tandem/kernels/kv_quant.h"
 
@@ -65,6 +66,14 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
                  "with a draft model, where its prompt K/V are computed: prefill (beside the "
                  "target's, sent in the same transfer) or decode (on the first proposal)")
       ->check(CLI::IsMember({"prefill", "decode"}));
+  app.add_option("--peak-read-gbs", f->peak_read_gbs,
+                 "peak read bandwidth in GB/s that model bandwidth utilisation is measured "
+                 "against (0: measured at start)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--peak-gflops", f->peak_gflops,
+                 "peak GFLOP/s that model FLOPs utilisation is measured against (0: measured at "
+                 "start)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--spec-max-batch", f->spec_max_batch,
                  "no speculation in a step with more decoding sequences than this")
       ->check(CLI::NonNegativeNumber);
@@ -107,6 +116,11 @@ absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlag
   absl::StatusOr<engine::SpeculativeOptions> o = engine::ParseSpeculative(f.speculative, f.spec_tokens);
   if (o.ok()) o->max_batch = f.spec_max_batch;
   return o;
+}
+
+engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& f) {
+  if (f.device != "cpu") return {f.peak_read_gbs, f.peak_gflops};
+  return WorkerPeaks(f.peak_read_gbs, f.peak_gflops, f.threads);
 }
 
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {

@@ -64,6 +64,10 @@ struct WorkerFlags {
   // With a draft model: "prefill" sends its prompt K/V with the target's, "decode" computes
   // them on the decode worker (and prefill does not load the draft).
   std::string draft_kv = "prefill";
+  // The peaks MBU and MFU are measured against (services/common/step_report.h); 0: measured at
+  // start on the CPU.
+  double peak_read_gbs = 0;
+  double peak_gflops = 0;
   std::string transport = "ucx";
   std::string ucx_tls = "shm";
   int grace_ms = 10000;
@@ -107,6 +111,9 @@ engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
 // --speculative, --spec-tokens and --spec-max-batch; INVALID_ARGUMENT as engine::ParseSpeculative
 // says. A draft model is loaded later, by the decode worker (DecodeWorker::Create).
 absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlags& flags);
+// --peak-read-gbs and --peak-gflops, each measured on the CPU when 0 (with --threads threads; a
+// GPU worker's peaks are only what the flags give).
+engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& flags);
 
 // The KV transport --transport and --ucx-tls name; null for "none". For nccl the worker's
 // descriptors name its advertised --host/--port (a decode worker needs a fixed --port), and

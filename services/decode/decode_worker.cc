@@ -111,7 +111,8 @@ DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine:
           engine_.get(), engine::SchedulerOptions{.speculative = o.speculative, .proposer = proposer})),
       proposer_(std::move(proposer)),
       draft_(dynamic_cast<engine::DraftModelProposer*>(proposer_.get())),
-      kv_blocks_total_(engine_->kv().pool().num_blocks()) {}
+      kv_blocks_total_(engine_->kv().pool().num_blocks()),
+      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics) {}
 
 DecodeWorker::~DecodeWorker() {
   {
@@ -199,6 +200,7 @@ void DecodeWorker::Loop() {
     }
     iterate_start_ = absl::Now();
     absl::StatusOr<bool> progressed = scheduler_->Iterate();
+    step_report_.Update(*engine_);
     if (o_.metrics != nullptr) NoteAdmitted(iterate_start_);
     // A failed step already finished the sequences it carried; keep serving the others.
     busy = progressed.ok() ? *progressed : scheduler_->num_running() > 0;
@@ -373,6 +375,7 @@ v1::WorkerStats DecodeWorker::Stats() const {
     s.set_transport_bytes_received(ts.bytes_received);
   }
   s.set_kv_integrity_failures(integrity_failures_.load());
+  *s.mutable_step_cost() = step_report_.Snapshot();
   return s;
 }
 

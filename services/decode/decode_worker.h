@@ -54,6 +54,7 @@
 #include "engine/runtime/scheduler.h"
 #include "engine/runtime/draft_proposer.h"
 #include "services/common/metrics.h"
+#include "services/common/step_report.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::decode {
@@ -81,6 +82,9 @@ struct DecodeWorkerOptions {
   // draft's prompt K/V arrive with the target's (--draft-kv prefill). False: the draft computes
   // them here, on the sequence's first proposal (--draft-kv decode).
   bool draft_kv_from_prefill = true;
+  // What engine utilisation is measured against, and its series (may be null).
+  engine::DevicePeaks peaks;
+  services::UtilizationMetrics* util_metrics = nullptr;
 };
 
 // The events of one request, in order; the last one has finished set. Filled by the engine
@@ -222,6 +226,7 @@ class DecodeWorker {
   // Published by the engine thread after every turn, for Stats().
   v1::WorkerStats snapshot_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> integrity_failures_{0};
+  services::StepReporter step_report_;
   std::thread thread_;
 };
 

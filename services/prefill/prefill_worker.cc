@@ -180,7 +180,10 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
 }
 
 PrefillWorker::PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engine::Engine> engine)
-    : o_(o), engine_(std::move(engine)), kv_blocks_total_(engine_->kv().pool().num_blocks()) {
+    : o_(o),
+      engine_(std::move(engine)),
+      kv_blocks_total_(engine_->kv().pool().num_blocks()),
+      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics) {
   const transfer::Capabilities caps = o_.transport->capabilities();
   transport_name_ = caps.detail.empty() ? caps.name : absl::StrCat(caps.name, ":", caps.detail);
   if (o_.prefix_cache) cache_ = std::make_unique<engine::PrefixCache>(&engine_->kv().pool());
@@ -363,6 +366,7 @@ v1::WorkerStats PrefillWorker::Stats() const {
   const transfer::TransportStats ts = o_.transport->stats();
   s.set_transport_bytes_written(ts.bytes_written);
   s.set_transport_bytes_received(ts.bytes_received);
+  *s.mutable_step_cost() = step_report_.Snapshot();
   if (kvstore_ != nullptr) {
     const KvStoreClientStats ks = kvstore_->stats();
     s.set_kvstore_published_blocks(ks.published_blocks);
@@ -466,6 +470,7 @@ void PrefillWorker::Loop() {
     if (stopping && queue_.empty() && active_.empty()) break;
     if (!stopping) Admit();
     computing = ComputeStep();
+    step_report_.Update(*engine_);
     PublishStats();
   }
   PublishStats();

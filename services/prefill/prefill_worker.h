@@ -64,6 +64,7 @@
 #include "engine/spec/proposer.h"
 #include "services/common/kv_device.h"
 #include "services/common/metrics.h"
+#include "services/common/step_report.h"
 #include "services/prefill/kvstore_client.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -102,6 +103,9 @@ struct PrefillWorkerOptions {
   // draft_kv is off (--draft-kv decode: decode workers compute them).
   engine::SpeculativeOptions speculative;
   bool draft_kv = true;
+  // What engine utilisation is measured against, and its series (may be null).
+  engine::DevicePeaks peaks;
+  services::UtilizationMetrics* util_metrics = nullptr;
 };
 
 class PrefillWorker {
@@ -203,6 +207,7 @@ class PrefillWorker {
   std::vector<float> logits_;
   std::vector<float> draft_logits_;  // none are asked for; Step's output argument
   std::atomic<int32_t> draft_blocks_in_use_{0};
+  services::StepReporter step_report_;
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;

@@ -3,6 +3,8 @@
 // (disaggregated and colocated), the prefill worker and the KV store. Checks the DESIGN.md
 // names and labels, that each request moves the series it should by the right amount, and
 // (where promtool is installed) that every exposition passes `promtool check metrics`.
+#include <cmath>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +116,8 @@ class MetricsServicesTest : public ::testing::Test {
     o.quarantine = absl::Milliseconds(50);
     o.before_step = std::move(before_step);
     o.metrics = &m->Serving("tiny", role);
+    o.util_metrics = &m->Utilization("tiny", role);
+    o.peaks = {20.0, 100.0};  // given, not measured: the figures below divide by them
     auto w = decode::DecodeWorker::Create(o);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
@@ -127,6 +131,8 @@ class MetricsServicesTest : public ::testing::Test {
     o.worker_id = "prefill-0";
     o.transport = transport;
     o.metrics = &m->Serving("tiny", "prefill");
+    o.util_metrics = &m->Utilization("tiny", "prefill");
+    o.peaks = {20.0, 100.0};
     auto w = prefill::PrefillWorker::Create(o);
     EXPECT_TRUE(w.ok()) << w.status();
     return w.ok() ? std::move(*w) : nullptr;
@@ -227,6 +233,32 @@ TEST_F(MetricsServicesTest, DisaggregatedRequestMovesDecodeAndPrefillSeries) {
   EXPECT_GT(*SampleValue(p, Series("e2e_request_latency_seconds_sum", "prefill")), 0);
   EXPECT_EQ(SampleValue(p, Series("num_requests_waiting", "prefill")), 0);
   EXPECT_EQ(SampleValue(p, Series("kv_cache_usage_perc", "prefill")), 0);
+  // Utilisation: one observation per engine step (a 40-token prompt is 2 chunks of 24 tokens
+  // at most), the gauges in (0, 1], and the step cost reported in Stats for the heartbeat.
+  for (const auto& [text, role] : {std::pair{d, "decode"}, std::pair{p, "prefill"}}) {
+    SCOPED_TRACE(role);
+    const std::optional<double> steps = SampleValue(text, Series("engine_step_seconds_count", role));
+    ASSERT_TRUE(steps.has_value()) << text;
+    EXPECT_GE(*steps, role == std::string("decode") ? kRequests * (kTokens - 1) : 2 * kRequests);
+    EXPECT_EQ(SampleValue(text, Series("step_bandwidth_utilization_count", role)), *steps);
+    EXPECT_EQ(SampleValue(text, Series("step_flops_utilization_count", role)), *steps);
+    for (const char* g : {"model_bandwidth_utilization", "model_flops_utilization"}) {
+      const std::optional<double> v = SampleValue(text, Series(g, role));
+      ASSERT_TRUE(v.has_value()) << g;
+      EXPECT_GT(*v, 0) << g;
+      EXPECT_LT(*v, 2) << g;  // a tiny model in cache can beat a DRAM peak, not by much
+    }
+  }
+  for (const v1::WorkerStats& st : {decode->Stats(), prefill->Stats()}) {
+    const v1::StepCost& c = st.step_cost();
+    EXPECT_EQ(c.device(), "cpu");
+    EXPECT_GT(c.steps(), 0u);
+    EXPECT_GT(c.mbu(), 0);
+    EXPECT_EQ(c.peak_read_gbs(), 20.0);
+    EXPECT_EQ(c.peak_gflops(), 100.0);
+    EXPECT_TRUE(std::isfinite(c.intercept_s()) && std::isfinite(c.decode_seq_s()));
+  }
+  EXPECT_GT(decode->Stats().step_cost().steps(), 0u);
   // The bytes histogram put each request in the bucket of its size, not +Inf only.
   const std::string le_inf =
       "tandem_kv_transfer_bytes_bucket{model_name=\"tiny\",role=\"prefill\","

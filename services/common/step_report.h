@@ -1,0 +1,49 @@
+// A worker's engine steps, turned into what it reports: the step cost model and utilisation in
+// its WorkerStats (so the router sees them with every heartbeat) and the utilisation series on
+// /metrics.
+//
+// Threading: Update runs on the engine thread after each of its turns; Snapshot from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/step_cost.h"
+#include "services/common/metrics.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::services {
+
+class StepReporter {
+ public:
+  // `metrics` may be null. Peaks of 0 leave MBU or MFU at 0.
+  StepReporter(engine::DevicePeaks peaks, std::string device, UtilizationMetrics* metrics)
+      : peaks_(peaks), device_(std::move(device)), metrics_(metrics) {}
+
+  // Records the engine's last step if it ran one since the previous call (a worker's turn runs
+  // at most one step of its engine).
+  void Update(const engine::Engine& e);
+  v1::StepCost Snapshot() const;
+
+  // Recent steps weigh more: sums decay by this per step.
+  static constexpr double kDecay = 0.9;
+
+ private:
+  const engine::DevicePeaks peaks_;
+  const std::string device_;
+  UtilizationMetrics* const metrics_;
+  int64_t seen_ = 0;  // engine thread only
+  mutable absl::Mutex mu_;
+  v1::StepCost snapshot_ ABSL_GUARDED_BY(mu_);
+  double bytes_ ABSL_GUARDED_BY(mu_) = 0, flops_ ABSL_GUARDED_BY(mu_) = 0,
+         seconds_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The peaks a worker measures MBU and MFU against: given ones (> 0) as they are, otherwise
+// measured on the CPU with `threads` threads (engine::MeasureCpuPeaks, a fraction of a second).
+engine::DevicePeaks WorkerPeaks(double read_gbs, double gflops, int32_t threads);
+
+}  // namespace tandem::services
