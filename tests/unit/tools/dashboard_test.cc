@@ -69,7 +69,8 @@ TEST(DashboardTest, ExpressionsReferenceOnlyExportedMetrics) {
         "request_queue_time_seconds", "request_success_total", "num_requests_running",
         "num_requests_waiting", "kv_cache_usage_perc", "kvstore_tier_bytes",
         "kv_integrity_failures_total", "ttft_breakdown_seconds", "recommended_replicas",
-        "prefix_cache_hits_total", "kv_transfer_seconds", "migrations_total"}) {
+        "prefix_cache_hits_total", "kv_transfer_seconds", "migrations_total",
+        "model_bandwidth_utilization", "model_flops_utilization", "engine_step_seconds"}) {
     EXPECT_TRUE(families.count(want)) << "the dashboard has no panel for tandem_" << want;
   }
 }
