@@ -232,10 +232,10 @@ DevicePeaks MeasureCpuPeaks(int32_t threads) {
   threads = std::max(1, threads);
   DevicePeaks peaks;
   using Clock = std::chrono::steady_clock;
-  // Read bandwidth: each thread first-touches and then sums its own slice of 128 MiB (four
+  // Read bandwidth: each thread first-touches and then sums its own slice of 256 MiB (eight
   // times this machine's last-level cache), passes started together at a barrier; a pass's
   // bandwidth is all slices over the slowest thread's time (as the membw probe measures it).
-  const size_t words = (size_t{128} << 20) / sizeof(uint64_t);
+  const size_t words = (size_t{256} << 20) / sizeof(uint64_t);
   std::unique_ptr<uint64_t[]> buf(new uint64_t[words]);
   const size_t slice = words / threads;
   constexpr int kPasses = 8;
@@ -271,7 +271,7 @@ DevicePeaks MeasureCpuPeaks(int32_t threads) {
     for (auto& t : all) t.join();
   };
   if (fma.loop != nullptr) {
-    constexpr int64_t kIters = 2'000'000;
+    constexpr int64_t kIters = 1'000'000;
     std::vector<double> gf;
     for (int pass = 0; pass < 3; ++pass) {
       std::atomic<double> out{0};

@@ -80,7 +80,8 @@ struct DevicePeaks {
   double read_gbs = 0;  // 1e9 bytes/s, a STREAM-like read with the engine's threads
   double gflops = 0;    // 1e9 FLOP/s, f32 FMAs in registers on every thread
 };
-// Measures both on the CPU with `threads` threads (a few tenths of a second, 128 MiB).
+// Measures both on the CPU with `threads` threads (about half a second on an idle machine,
+// 256 MiB); the threads it starts inherit the caller's scheduling policy.
 DevicePeaks MeasureCpuPeaks(int32_t threads);
 
 }  // namespace tandem::engine

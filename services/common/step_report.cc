@@ -1,19 +1,39 @@
 #include "services/common/step_report.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 namespace tandem::services {
+
+StepReporter::~StepReporter() {
+  if (measure_.joinable()) measure_.join();
+}
+
+void StepReporter::MeasurePeaksInBackground(int32_t threads) {
+  measure_ = std::thread([this, threads] {
+    // The measuring threads inherit this policy (pthreads' default, PTHREAD_INHERIT_SCHED).
+    sched_param none{};
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+    const engine::DevicePeaks measured = engine::MeasureCpuPeaks(threads);
+    absl::MutexLock l(&mu_);
+    if (peaks_.read_gbs <= 0) peaks_.read_gbs = measured.read_gbs;
+    if (peaks_.gflops <= 0) peaks_.gflops = measured.gflops;
+    snapshot_.set_peak_read_gbs(peaks_.read_gbs);
+    snapshot_.set_peak_gflops(peaks_.gflops);
+  });
+}
 
 void StepReporter::Update(const engine::Engine& e) {
   if (e.steps() == seen_) return;
   seen_ = e.steps();
   const engine::Engine::StepRecord& s = e.last_step();
-  const double step_mbu =
-      peaks_.read_gbs > 0 ? s.work.bytes / s.seconds / (peaks_.read_gbs * 1e9) : 0.0;
-  const double step_mfu = peaks_.gflops > 0 ? s.work.flops / s.seconds / (peaks_.gflops * 1e9) : 0.0;
   const engine::StepCostModel& m = e.step_cost();
   const engine::StepCostModel::Coefficients c = m.coefficients();
-  double mbu = 0, mfu = 0;
+  double mbu = 0, mfu = 0, step_mbu = 0, step_mfu = 0;
   {
     absl::MutexLock l(&mu_);
+    if (peaks_.read_gbs > 0) step_mbu = s.work.bytes / s.seconds / (peaks_.read_gbs * 1e9);
+    if (peaks_.gflops > 0) step_mfu = s.work.flops / s.seconds / (peaks_.gflops * 1e9);
     bytes_ = kDecay * bytes_ + s.work.bytes;
     flops_ = kDecay * flops_ + s.work.flops;
     seconds_ = kDecay * seconds_ + s.seconds;
@@ -44,14 +64,6 @@ void StepReporter::Update(const engine::Engine& e) {
 v1::StepCost StepReporter::Snapshot() const {
   absl::MutexLock l(&mu_);
   return snapshot_;
-}
-
-engine::DevicePeaks WorkerPeaks(double read_gbs, double gflops, int32_t threads) {
-  engine::DevicePeaks p;
-  if (read_gbs <= 0 || gflops <= 0) p = engine::MeasureCpuPeaks(threads);
-  if (read_gbs > 0) p.read_gbs = read_gbs;
-  if (gflops > 0) p.gflops = gflops;
-  return p;
 }
 
 }  // namespace tandem::services

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -22,6 +23,14 @@ class StepReporter {
   // `metrics` may be null. Peaks of 0 leave MBU or MFU at 0.
   StepReporter(engine::DevicePeaks peaks, std::string device, UtilizationMetrics* metrics)
       : peaks_(peaks), device_(std::move(device)), metrics_(metrics) {}
+  // Waits for a measurement still running.
+  ~StepReporter();
+
+  // Measures the peaks that are still 0 on the CPU with `threads` threads, in a thread of its
+  // own at SCHED_IDLE priority: it takes only CPU time nothing else wants, so a worker starting
+  // beside busy ones (a new pod while a node serves) neither delays its start nor slows them.
+  // Until it is done, MBU and MFU read 0.
+  void MeasurePeaksInBackground(int32_t threads);
 
   // Records the engine's last step if it ran one since the previous call (a worker's turn runs
   // at most one step of its engine).
@@ -32,18 +41,16 @@ class StepReporter {
   static constexpr double kDecay = 0.9;
 
  private:
-  const engine::DevicePeaks peaks_;
+  engine::DevicePeaks peaks_ ABSL_GUARDED_BY(mu_);
   const std::string device_;
   UtilizationMetrics* const metrics_;
   int64_t seen_ = 0;  // engine thread only
   mutable absl::Mutex mu_;
+  std::thread measure_;
   v1::StepCost snapshot_ ABSL_GUARDED_BY(mu_);
   double bytes_ ABSL_GUARDED_BY(mu_) = 0, flops_ ABSL_GUARDED_BY(mu_) = 0,
          seconds_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// The peaks a worker measures MBU and MFU against: given ones (> 0) as they are, otherwise
-// measured on the CPU with `threads` threads (engine::MeasureCpuPeaks, a fraction of a second).
-engine::DevicePeaks WorkerPeaks(double read_gbs, double gflops, int32_t threads);
 
 }  // namespace tandem::services

@@ -12,7 +12,6 @@
 #include "services/common/process_util.h"
 #include "services/common/registration.h"
 #include "services/common/registry_set.h"
-#include "services/common/step_report.h"
 #include "services/common/transport_factory.h"
 #include "tandem/kernels/kv_quant.h"
 
@@ -118,9 +117,9 @@ absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlag
   return o;
 }
 
-engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& f) {
-  if (f.device != "cpu") return {f.peak_read_gbs, f.peak_gflops};
-  return WorkerPeaks(f.peak_read_gbs, f.peak_gflops, f.threads);
+engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& f, bool* measure) {
+  *measure = f.device == "cpu" && (f.peak_read_gbs <= 0 || f.peak_gflops <= 0);
+  return {f.peak_read_gbs, f.peak_gflops};
 }
 
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {

@@ -111,9 +111,10 @@ engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
 // --speculative, --spec-tokens and --spec-max-batch; INVALID_ARGUMENT as engine::ParseSpeculative
 // says. A draft model is loaded later, by the decode worker (DecodeWorker::Create).
 absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlags& flags);
-// --peak-read-gbs and --peak-gflops, each measured on the CPU when 0 (with --threads threads; a
-// GPU worker's peaks are only what the flags give).
-engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& flags);
+// --peak-read-gbs and --peak-gflops as given; with measure set, the worker measures those left
+// at 0 in the background (StepReporter::MeasurePeaksInBackground). A GPU worker's peaks are only
+// what the flags give.
+engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& flags, bool* measure);
 
 // The KV transport --transport and --ucx-tls name; null for "none". For nccl the worker's
 // descriptors name its advertised --host/--port (a decode worker needs a fixed --port), and

@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(const DecodeW
     w->draft_region_registered_ = true;
     w->draft_in_transport_memory_ = draft_in_transport_memory;
   }
+  if (o.measure_peaks) w->step_report_.MeasurePeaksInBackground(o.engine.threads);
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
   return w;

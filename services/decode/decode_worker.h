@@ -84,6 +84,7 @@ struct DecodeWorkerOptions {
   bool draft_kv_from_prefill = true;
   // What engine utilisation is measured against, and its series (may be null).
   engine::DevicePeaks peaks;
+  bool measure_peaks = false;  // measure the peaks left at 0, in the background
   services::UtilizationMetrics* util_metrics = nullptr;
 };
 

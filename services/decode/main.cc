@@ -85,7 +85,7 @@ int Main(int argc, char** argv) {
   decode::DecodeWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), role);
   wo.util_metrics = &metrics.Utilization(services::ModelNameFromPath(flags.model_path), role);
-  wo.peaks = services::WorkerPeaksFromFlags(flags);
+  wo.peaks = services::WorkerPeaksFromFlags(flags, &wo.measure_peaks);
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path), role,
                                    kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));

@@ -108,7 +108,7 @@ int Main(int argc, char** argv) {
   prefill::PrefillWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), "prefill");
   wo.util_metrics = &metrics.Utilization(services::ModelNameFromPath(flags.model_path), "prefill");
-  wo.peaks = services::WorkerPeaksFromFlags(flags);
+  wo.peaks = services::WorkerPeaksFromFlags(flags, &wo.measure_peaks);
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path),
                                    "prefill", kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));

@@ -174,6 +174,7 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
   if (with_store) {
     TANDEM_ASSIGN_OR_RETURN(w->kvstore_, KvStoreClient::Create(o.kvstore, store_t));
   }
+  if (o.measure_peaks) w->step_report_.MeasurePeaksInBackground(o.engine.threads);
   w->PublishStats();
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
   return w;
@@ -763,16 +764,7 @@ bool PrefillWorker::ComputeStep() {
   for (const std::shared_ptr<Job>& j : candidates) {
     if (used >= budget) break;
     const int64_t left = static_cast<int64_t>(j->prompt.size()) - j->n_done;
-    if (left <= 0 || !j->compute_status.ok()) continue;
-    absl::Status write_status;
-    {
-      absl::MutexLock l(&j->mu);
-      write_status = j->write_status;
-    }
-    if (!write_status.ok()) {  // the destination is gone: stop spending compute on it
-      EndCompute(j, write_status);
-      continue;
-    }
+    if (left <= 0 || !j->compute_status.ok() || EndIfDestinationGone(j)) continue;
     const int64_t n = std::min(left, budget - used);
     engine::SeqChunk ch;
     ch.tokens = std::span<const int32_t>(j->prompt).subspan(j->n_done, n);
@@ -838,14 +830,7 @@ bool PrefillWorker::DraftStep() {
   for (const std::shared_ptr<Job>& j : candidates) {
     if (used >= budget) break;
     const int64_t left = static_cast<int64_t>(j->prompt.size()) - j->draft_done;
-    if (!j->with_draft || left <= 0 || !j->compute_status.ok()) continue;
-    absl::Status write_status;
-    {
-      absl::MutexLock l(&j->mu);
-      write_status = j->write_status;
-    }
-    if (!write_status.ok()) {  // the destination is gone
-      EndCompute(j, write_status);
+    if (!j->with_draft || left <= 0 || !j->compute_status.ok() || EndIfDestinationGone(j)) {
       continue;
     }
     const int64_t n = std::min(left, budget - used);
@@ -954,6 +939,17 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, bool draft
                              }
                              if (ready) PostReady(keep);
                            });
+}
+
+bool PrefillWorker::EndIfDestinationGone(const std::shared_ptr<Job>& job) {
+  absl::Status write_status;
+  {
+    absl::MutexLock l(&job->mu);
+    write_status = job->write_status;
+  }
+  if (write_status.ok()) return false;
+  EndCompute(job, write_status);  // stop spending compute on a destination that is gone
+  return true;
 }
 
 void PrefillWorker::PostReady(std::shared_ptr<Job> job) {

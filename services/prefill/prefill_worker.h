@@ -105,6 +105,7 @@ struct PrefillWorkerOptions {
   bool draft_kv = true;
   // What engine utilisation is measured against, and its series (may be null).
   engine::DevicePeaks peaks;
+  bool measure_peaks = false;  // measure the peaks left at 0, in the background
   services::UtilizationMetrics* util_metrics = nullptr;
 };
 
@@ -154,6 +155,8 @@ class PrefillWorker {
   void PostLayerWrites(const std::shared_ptr<Job>& job, bool draft, int64_t start, int64_t n,
                        int32_t layer);
   void EndCompute(const std::shared_ptr<Job>& job, absl::Status status);
+  // A write to the job's destination failed: ends its compute with that error (true).
+  bool EndIfDestinationGone(const std::shared_ptr<Job>& job);
   void Finalize(const std::shared_ptr<Job>& job);
   void Complete(Job& job, absl::StatusOr<v1::PrefillResponse> result);
   void PublishStats();
