@@ -1,5 +1,7 @@
 #include "engine/runtime/step_cost.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -232,10 +234,14 @@ DevicePeaks MeasureCpuPeaks(int32_t threads) {
   threads = std::max(1, threads);
   DevicePeaks peaks;
   using Clock = std::chrono::steady_clock;
-  // Read bandwidth: each thread first-touches and then sums its own slice of 256 MiB (eight
-  // times this machine's last-level cache), passes started together at a barrier; a pass's
-  // bandwidth is all slices over the slowest thread's time (as the membw probe measures it).
-  const size_t words = (size_t{256} << 20) / sizeof(uint64_t);
+  // Read bandwidth: each thread first-touches and then sums its own slice of four times the
+  // last-level cache (64 to 256 MiB; it is freed on return), passes started together at a
+  // barrier; a pass's bandwidth is all slices over the slowest thread's time (as the membw
+  // probe measures it).
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  const size_t bytes =
+      std::clamp<size_t>(llc > 0 ? 4 * size_t(llc) : 0, size_t{64} << 20, size_t{256} << 20);
+  const size_t words = bytes / sizeof(uint64_t);
   std::unique_ptr<uint64_t[]> buf(new uint64_t[words]);
   const size_t slice = words / threads;
   constexpr int kPasses = 8;

@@ -641,9 +641,10 @@ TEST_F(ClusterTest, AddedWorkerGetsTrafficAndRemovedWorkerDrainsWithoutFailures)
   // A long stream on some decode worker; then that worker is removed while it streams.
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(90)));
-  // About 2 s of decoding here: far longer than the removal takes to be seen.
+  // The whole context, several seconds of decoding here: far longer than the removal takes to
+  // be seen (1500 tokens once ended first on a loaded machine).
   Sampling long_stream;
-  long_stream.max_tokens = 1500;
+  long_stream.max_tokens = kCtx - 100;
   long_stream.ignore_eos = true;
   auto reader =
       cluster.inference().Generate(&cc, Cluster::Request("Once upon a time", long_stream));
@@ -654,8 +655,10 @@ TEST_F(ClusterTest, AddedWorkerGetsTrafficAndRemovedWorkerDrainsWithoutFailures)
   const std::string victim = inflight.decode_worker;
   const std::string survivor = victim == "decode-0" ? "decode-1" : "decode-0";
   std::atomic<bool> stream_done{false};
+  absl::Time stream_end;
   std::thread consumer([&] {
     inflight = Cluster::Drain(reader.get(), inflight);
+    stream_end = absl::Now();
     stream_done = true;
   });
   Result remove;
@@ -671,6 +674,7 @@ TEST_F(ClusterTest, AddedWorkerGetsTrafficAndRemovedWorkerDrainsWithoutFailures)
   });
   EXPECT_TRUE(gone) << victim << " is still registered";
   const bool still_streaming = !stream_done;
+  const absl::Time removed = absl::Now();
   // New requests while it drains all go elsewhere and succeed.
   for (int i = 0; i < 3; ++i) {
     Completion c = cluster.Generate(Prompts()[i], Greedy());
@@ -680,6 +684,8 @@ TEST_F(ClusterTest, AddedWorkerGetsTrafficAndRemovedWorkerDrainsWithoutFailures)
   }
   consumer.join();
   remover.join();
+  std::printf("the stream ran on %.0f ms after its worker's removal was seen\n",
+              absl::ToDoubleMilliseconds(stream_end - removed));
   EXPECT_TRUE(still_streaming) << "the stream ended before the removal: make it longer";
   EXPECT_TRUE(inflight.status.ok())
       << "in-flight request failed: " << inflight.status.error_message();
