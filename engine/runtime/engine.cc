@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/trace/trace.h"
 #include "common/util/status_util.h"
 #include "engine/runtime/device_forward.h"
 #include "tandem/kernels/activation.h"
@@ -213,6 +214,8 @@ absl::Status Engine::Step(std::span<const SeqChunk> chunks, std::vector<float>* 
   int64_t T = 0;
   TANDEM_RETURN_IF_ERROR(Validate(chunks, &T));
   const auto t0 = std::chrono::steady_clock::now();
+  // Nsight Systems sees each step beside its kernels (a worker's --trace records it too).
+  const trace::NvtxRange range("step");
   const absl::Status st = device_ != nullptr
                               ? device_->Step(chunks, T, *kv_, logits, on_layer_done)
                               : CpuStep(chunks, T, logits, on_layer_done);

@@ -301,6 +301,13 @@ void Scheduler::Accept(Sequence& s, float* rows) {
   s.verify.clear();
 }
 
+std::vector<std::string> Scheduler::RunningIds() const {
+  std::vector<std::string> ids;
+  ids.reserve(running_.size());
+  for (const auto& s : running_) ids.push_back(s->req.id);
+  return ids;
+}
+
 absl::StatusOr<bool> Scheduler::Iterate() {
   Admit();
   if (running_.empty()) return false;

@@ -125,6 +125,8 @@ class Scheduler {
 
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  // The ids of the running requests, in batch order.
+  std::vector<std::string> RunningIds() const;
   const SchedulerStats& stats() const { return stats_; }
   // Null when the prefix cache is off.
   PrefixCache* prefix_cache() { return cache_.get(); }

@@ -23,10 +23,22 @@ void StepReporter::MeasurePeaksInBackground(int32_t threads) {
   });
 }
 
-void StepReporter::Update(const engine::Engine& e) {
+void StepReporter::Update(const engine::Engine& e,
+                          const std::function<std::vector<std::string>()>& request_ids) {
   if (e.steps() == seen_) return;
   seen_ = e.steps();
   const engine::Engine::StepRecord& s = e.last_step();
+  if (tracer_ != nullptr) {
+    const int64_t end = trace::Tracer::NowMicros();
+    nlohmann::json args = {{"prefill_tokens", s.shape.prefill_tokens},
+                           {"decode_seqs", s.shape.decode_seqs},
+                           {"decode_kv_tokens", s.shape.decode_kv_tokens},
+                           {"bytes", s.work.bytes},
+                           {"flops", s.work.flops}};
+    if (request_ids) args["requests"] = request_ids();
+    tracer_->Complete("step", "engine", end - static_cast<int64_t>(s.seconds * 1e6), end,
+                      std::move(args));
+  }
   const engine::StepCostModel& m = e.step_cost();
   const engine::StepCostModel::Coefficients c = m.coefficients();
   double mbu = 0, mfu = 0, step_mbu = 0, step_mfu = 0;

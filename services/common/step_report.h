@@ -6,11 +6,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/trace/trace.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/step_cost.h"
 #include "services/common/metrics.h"
@@ -20,9 +23,11 @@ namespace tandem::services {
 
 class StepReporter {
  public:
-  // `metrics` may be null. Peaks of 0 leave MBU or MFU at 0.
-  StepReporter(engine::DevicePeaks peaks, std::string device, UtilizationMetrics* metrics)
-      : peaks_(peaks), device_(std::move(device)), metrics_(metrics) {}
+  // `metrics` and `tracer` may be null. Peaks of 0 leave MBU or MFU at 0. With a tracer every
+  // step is a slice named "step" on the engine thread's track.
+  StepReporter(engine::DevicePeaks peaks, std::string device, UtilizationMetrics* metrics,
+               trace::Tracer* tracer = nullptr)
+      : peaks_(peaks), device_(std::move(device)), metrics_(metrics), tracer_(tracer) {}
   // Waits for a measurement still running.
   ~StepReporter();
 
@@ -33,8 +38,10 @@ class StepReporter {
   void MeasurePeaksInBackground(int32_t threads);
 
   // Records the engine's last step if it ran one since the previous call (a worker's turn runs
-  // at most one step of its engine).
-  void Update(const engine::Engine& e);
+  // at most one step of its engine). `request_ids`, called only when tracing, names the
+  // requests the step carried, for the trace.
+  void Update(const engine::Engine& e,
+              const std::function<std::vector<std::string>()>& request_ids = {});
   v1::StepCost Snapshot() const;
 
   // Recent steps weigh more: sums decay by this per step.
@@ -44,6 +51,7 @@ class StepReporter {
   engine::DevicePeaks peaks_ ABSL_GUARDED_BY(mu_);
   const std::string device_;
   UtilizationMetrics* const metrics_;
+  trace::Tracer* const tracer_;
   int64_t seen_ = 0;  // engine thread only
   mutable absl::Mutex mu_;
   std::thread measure_;

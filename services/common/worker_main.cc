@@ -30,6 +30,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--host", f->host, "address to listen on (0.0.0.0: every interface)");
   app.add_option("--port", f->port, "port to listen on; 0 picks a free one (printed, --port-file)");
   app.add_option("--port-file", f->port_file, "write the bound port here once serving");
+  AddTraceFlags(&app, &f->trace);
   app.add_option("--advertise-host", f->advertise_host,
                  "host the router should dial (default: --host; 127.0.0.1 for a wildcard)");
   app.add_option("--worker-id", f->worker_id,

@@ -28,6 +28,7 @@
 #include "services/common/metrics.h"
 #include "services/common/nccl_join.h"
 #include "services/common/tls.h"
+#include "services/common/trace_flags.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace CLI {
@@ -74,6 +75,7 @@ struct WorkerFlags {
   std::string cpus;
   int metrics_port = 0;  // 0: no /metrics endpoint
   TlsOptions tls;        // --tls-*: every gRPC server and client of the process (tls.h)
+  TraceFlags trace;      // --trace, --trace-max-mb (trace_flags.h)
   // Set only by the test twin tandem-prefill-test-hooks (tests/fault/prefill_test_hooks.h):
   // corrupt one bit of every Nth KV write this worker sends
   // (common/transfer/fault_injection.h). 0: off.

@@ -23,7 +23,9 @@ v1::FinishReason ToProto(const engine::TokenEvent& ev) {
 
 grpc::Status DecodeService::Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
                                     v1::ReserveResponse* resp) {
+  trace::Span span(worker_->tracer(), "Reserve", "rpc", req->request_id());
   absl::StatusOr<v1::ReserveResponse> r = worker_->Reserve(*req);
+  span.Arg("status", r.status().ToString());
   if (!r.ok()) return services::ToGrpcStatus(r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
@@ -31,10 +33,21 @@ grpc::Status DecodeService::Reserve(grpc::ServerContext* ctx, const v1::ReserveR
 
 grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  trace::Span span(worker_->tracer(), "Decode", "rpc", req->request_id());
+  // Where the request's flow ends (it started at the router's prefill call).
+  span.Flow('f');
   absl::StatusOr<std::shared_ptr<TokenStream>> stream = worker_->StartDecode(*req);
-  if (!stream.ok()) return services::ToGrpcStatus(stream.status());
+  if (!stream.ok()) {
+    span.Arg("status", stream.status().ToString());
+    return services::ToGrpcStatus(stream.status());
+  }
   const std::string& id = req->request_id();
   int32_t completion = 0;
+  struct Tokens {  // the slice's args, whichever way the stream ends
+    trace::Span& span;
+    const int32_t& n;
+    ~Tokens() { span.Arg("completion_tokens", n); }
+  } tokens{span, completion};
   for (;;) {
     engine::TokenEvent ev;
     if (!(*stream)->Next(absl::Now() + cancel_poll_, &ev)) {

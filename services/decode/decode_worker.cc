@@ -113,7 +113,7 @@ DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine:
       proposer_(std::move(proposer)),
       draft_(dynamic_cast<engine::DraftModelProposer*>(proposer_.get())),
       kv_blocks_total_(engine_->kv().pool().num_blocks()),
-      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics) {}
+      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics, o.tracer) {}
 
 DecodeWorker::~DecodeWorker() {
   {
@@ -176,6 +176,7 @@ absl::Status DecodeWorker::RunOnEngineThread(std::function<void(engine::Engine&)
 }
 
 void DecodeWorker::Loop() {
+  if (o_.tracer != nullptr) o_.tracer->NameThread("engine");
   bool busy = false;
   for (;;) {
     std::deque<std::function<void()>> cmds;
@@ -200,8 +201,18 @@ void DecodeWorker::Loop() {
       o_.before_step();
     }
     iterate_start_ = absl::Now();
+    // For the trace: the step carries the requests running before it and those it admitted.
+    std::vector<std::string> stepped;
+    if (o_.tracer != nullptr) stepped = scheduler_->RunningIds();
     absl::StatusOr<bool> progressed = scheduler_->Iterate();
-    step_report_.Update(*engine_);
+    step_report_.Update(*engine_, [&] {
+      for (std::string& id : scheduler_->RunningIds()) {
+        if (std::find(stepped.begin(), stepped.end(), id) == stepped.end()) {
+          stepped.push_back(std::move(id));
+        }
+      }
+      return stepped;
+    });
     if (o_.metrics != nullptr) NoteAdmitted(iterate_start_);
     // A failed step already finished the sequences it carried; keep serving the others.
     busy = progressed.ok() ? *progressed : scheduler_->num_running() > 0;

@@ -49,6 +49,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/trace/trace.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/scheduler.h"
@@ -86,6 +87,8 @@ struct DecodeWorkerOptions {
   engine::DevicePeaks peaks;
   bool measure_peaks = false;  // measure the peaks left at 0, in the background
   services::UtilizationMetrics* util_metrics = nullptr;
+  // Spans of RPCs, engine steps and KV transfers (common/trace/trace.h); null: none. Not owned.
+  trace::Tracer* tracer = nullptr;
 };
 
 // The events of one request, in order; the last one has finished set. Filled by the engine
@@ -131,6 +134,7 @@ class DecodeWorker {
   absl::StatusOr<int32_t> DraftBlocksInUse();
 
   const std::string& worker_id() const { return o_.worker_id; }
+  trace::Tracer* tracer() const { return o_.tracer; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
 

@@ -80,12 +80,16 @@ int Main(int argc, char** argv) {
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
 
+  // Before the worker, so it is closed after the worker has stopped.
+  absl::StatusOr<std::unique_ptr<trace::Tracer>> tracer = services::OpenTrace(flags.trace, kBinary);
+  if (!tracer.ok()) return services::FailWorker(kBinary, "--trace", tracer.status());
   // Recorded always (a few atomics per token); served only with --metrics-port.
   services::Metrics metrics;
   decode::DecodeWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), role);
   wo.util_metrics = &metrics.Utilization(services::ModelNameFromPath(flags.model_path), role);
   wo.peaks = services::WorkerPeaksFromFlags(flags, &wo.measure_peaks);
+  wo.tracer = tracer->get();
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path), role,
                                    kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));

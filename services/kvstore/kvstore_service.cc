@@ -20,15 +20,20 @@ v1::KvTier ToProtoTier(TierKind k) {
 
 grpc::Status KvStoreService::Lookup(grpc::ServerContext*, const v1::KvLookupRequest* req,
                                     v1::KvLookupResponse* resp) {
+  trace::Span span(tracer_, "Lookup", "rpc");
   const std::vector<uint64_t> hashes(req->block_hashes().begin(), req->block_hashes().end());
   const PrefixMatch m = store_->LookupPrefix(hashes);
   resp->set_matched(m.matched);
+  span.Arg("blocks", hashes.size());
+  span.Arg("matched", m.matched);
   for (TierKind t : m.tiers) resp->add_tiers(ToProtoTier(t));
   return grpc::Status::OK;
 }
 
 grpc::Status KvStoreService::Put(grpc::ServerContext*, const v1::KvPutRequest* req,
                                  v1::KvPutResponse* resp) {
+  trace::Span span(tracer_, "Put", "rpc");
+  span.Arg("blocks", req->blocks_size());
   for (const v1::KvBlock& b : req->blocks()) {
     const auto* p = reinterpret_cast<const uint8_t*>(b.data().data());
     absl::Status st = store_->Put(b.hash(), std::span<const uint8_t>(p, b.data().size()));
@@ -40,6 +45,8 @@ grpc::Status KvStoreService::Put(grpc::ServerContext*, const v1::KvPutRequest* r
 
 grpc::Status KvStoreService::Get(grpc::ServerContext*, const v1::KvGetRequest* req,
                                  v1::KvGetResponse* resp) {
+  trace::Span span(tracer_, "Get", "rpc");
+  span.Arg("blocks", req->block_hashes_size());
   for (uint64_t h : req->block_hashes()) {
     // Where first: Get may promote the block, and the reply says where it was found.
     const std::optional<TierKind> where = store_->Where(h);
@@ -72,6 +79,8 @@ grpc::Status NoDataPlane() {
 grpc::Status KvStoreService::Read(grpc::ServerContext* ctx, const v1::KvReadRequest* req,
                                   v1::KvReadResponse* resp) {
   if (data_plane_ == nullptr) return NoDataPlane();
+  trace::Span span(tracer_, "Read", "kv");
+  span.Arg("blocks", req->block_hashes_size());
   absl::StatusOr<v1::KvReadResponse> r =
       data_plane_->Read(*req, services::FromChronoDeadline(ctx->deadline()));
   if (!r.ok()) return services::ToGrpcStatus(r.status());
@@ -82,6 +91,7 @@ grpc::Status KvStoreService::Read(grpc::ServerContext* ctx, const v1::KvReadRequ
 grpc::Status KvStoreService::Stage(grpc::ServerContext*, const v1::KvStageRequest* req,
                                    v1::KvStageResponse* resp) {
   if (data_plane_ == nullptr) return NoDataPlane();
+  trace::Span span(tracer_, "Stage", "kv");
   absl::StatusOr<v1::KvStageResponse> r = data_plane_->Stage(*req);
   if (!r.ok()) return services::ToGrpcStatus(r.status());
   *resp = std::move(*r);
@@ -91,6 +101,7 @@ grpc::Status KvStoreService::Stage(grpc::ServerContext*, const v1::KvStageReques
 grpc::Status KvStoreService::Commit(grpc::ServerContext*, const v1::KvCommitRequest* req,
                                     v1::KvCommitResponse* resp) {
   if (data_plane_ == nullptr) return NoDataPlane();
+  trace::Span span(tracer_, "Commit", "kv");
   absl::StatusOr<v1::KvCommitResponse> r = data_plane_->Commit(*req);
   if (!r.ok()) return services::ToGrpcStatus(r.status());
   *resp = std::move(*r);

@@ -8,6 +8,7 @@
 // a missing or corrupt block ends its reply there rather than failing the call.
 #pragma once
 
+#include "common/trace/trace.h"
 #include "services/kvstore/data_plane.h"
 #include "services/kvstore/tiered_store.h"
 #include "tandem/v1/kvstore.grpc.pb.h"
@@ -18,8 +19,10 @@ v1::KvTier ToProtoTier(TierKind k);
 
 class KvStoreService final : public v1::KvStore::Service {
  public:
-  explicit KvStoreService(TieredStore* store, KvDataPlane* data_plane = nullptr)
-      : store_(store), data_plane_(data_plane) {}
+  // `tracer` (may be null, not owned) gets a slice per RPC.
+  explicit KvStoreService(TieredStore* store, KvDataPlane* data_plane = nullptr,
+                          trace::Tracer* tracer = nullptr)
+      : store_(store), data_plane_(data_plane), tracer_(tracer) {}
 
   grpc::Status Read(grpc::ServerContext* ctx, const v1::KvReadRequest* req,
                     v1::KvReadResponse* resp) override;
@@ -40,6 +43,7 @@ class KvStoreService final : public v1::KvStore::Service {
  private:
   TieredStore* store_;
   KvDataPlane* data_plane_;
+  trace::Tracer* tracer_;
 };
 
 }  // namespace tandem::kvstore

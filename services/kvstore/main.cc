@@ -36,6 +36,7 @@
 #include "services/common/metrics.h"
 #include "services/common/process_util.h"
 #include "services/common/tls.h"
+#include "services/common/trace_flags.h"
 #include "services/common/transport_metrics.h"
 #include "services/common/transport_factory.h"
 #include "services/kvstore/data_plane.h"
@@ -154,6 +155,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"ucx", "inproc", "none"}));
   app.add_option("--ucx-tls", ucx_tls, "UCX transports: shm, tcp, all or a UCX_TLS list");
   app.add_option("--staging-mb", staging_mb, "Staging region for published blocks, MiB");
+  tandem::services::TraceFlags trace_flags;
+  tandem::services::AddTraceFlags(&app, &trace_flags);
   app.add_option("--stage-lease-ms", stage_lease_ms,
                  "How long staged slots wait for their Commit")
       ->check(CLI::PositiveNumber);
@@ -225,7 +228,10 @@ int main(int argc, char** argv) {
                  kv_transport->capabilities().name.c_str(), data_plane->num_slots(),
                  static_cast<unsigned long long>(c.device_slot_bytes));
   }
-  tandem::kvstore::KvStoreService service(store->get(), data_plane.get());
+  absl::StatusOr<std::unique_ptr<tandem::trace::Tracer>> tracer =
+      tandem::services::OpenTrace(trace_flags, "tandem-kvstore");
+  if (!tracer.ok()) return Fail(tracer.status());
+  tandem::kvstore::KvStoreService service(store->get(), data_plane.get(), tracer->get());
   tandem::services::GrpcServerOptions so;
   so.host = host;
   so.port = port;

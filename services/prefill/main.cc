@@ -103,12 +103,16 @@ int Main(int argc, char** argv) {
     store_transport = std::move(*t);
   }
 
+  // Before the worker, so it is closed after the worker has stopped.
+  absl::StatusOr<std::unique_ptr<trace::Tracer>> tracer = services::OpenTrace(flags.trace, kBinary);
+  if (!tracer.ok()) return services::FailWorker(kBinary, "--trace", tracer.status());
   // Recorded always (a few atomics per request); served only with --metrics-port.
   services::Metrics metrics;
   prefill::PrefillWorkerOptions wo;
   wo.metrics = &metrics.Serving(services::ModelNameFromPath(flags.model_path), "prefill");
   wo.util_metrics = &metrics.Utilization(services::ModelNameFromPath(flags.model_path), "prefill");
   wo.peaks = services::WorkerPeaksFromFlags(flags, &wo.measure_peaks);
+  wo.tracer = tracer->get();
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path),
                                    "prefill", kv_transport->get());
   wo.model = std::shared_ptr<const engine::Model>(std::move(*model));

@@ -112,6 +112,7 @@ struct PrefillWorker::Job {
   bool compute_over ABSL_GUARDED_BY(mu) = false;  // no more writes will be posted
   absl::Status write_status ABSL_GUARDED_BY(mu);
   uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
+  absl::Time first_write ABSL_GUARDED_BY(mu);  // for the trace
   absl::Time writes_done ABSL_GUARDED_BY(mu);
 
   // The outcome, set once.
@@ -184,7 +185,7 @@ PrefillWorker::PrefillWorker(const PrefillWorkerOptions& o, std::unique_ptr<engi
     : o_(o),
       engine_(std::move(engine)),
       kv_blocks_total_(engine_->kv().pool().num_blocks()),
-      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics) {
+      step_report_(o.peaks, engine::DeviceName(o.engine.device), o.util_metrics, o.tracer) {
   const transfer::Capabilities caps = o_.transport->capabilities();
   transport_name_ = caps.detail.empty() ? caps.name : absl::StrCat(caps.name, ":", caps.detail);
   if (o_.prefix_cache) cache_ = std::make_unique<engine::PrefixCache>(&engine_->kv().pool());
@@ -304,8 +305,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillWorker::Prefill(
     // On the caller's thread, so a slow or dead store never holds up the engine thread. Any
     // error is a miss: the request runs cold.
     const absl::Time t0 = absl::Now();
+    trace::Span span(o_.tracer, "kvstore Lookup", "rpc", job->id);
     absl::StatusOr<v1::KvLookupResponse> m =
         kvstore_->Lookup(std::span<const uint64_t>(job->hashes).first(job->usable));
+    if (m.ok()) span.Arg("matched", m->matched());
     job->lookup_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
     if (m.ok()) {
       job->store_matched = std::min(m->matched(), job->usable);
@@ -404,6 +407,7 @@ void PrefillWorker::PublishStats() {
 }
 
 void PrefillWorker::Loop() {
+  if (o_.tracer != nullptr) o_.tracer->NameThread("engine");
   bool computing = false;
   bool stop_seen = false;
   for (;;) {
@@ -471,7 +475,11 @@ void PrefillWorker::Loop() {
     if (stopping && queue_.empty() && active_.empty()) break;
     if (!stopping) Admit();
     computing = ComputeStep();
-    step_report_.Update(*engine_);
+    step_report_.Update(*engine_, [this] {
+      std::vector<std::string> ids;
+      for (const std::shared_ptr<Job>& j : active_) ids.push_back(j->id);
+      return ids;
+    });
     PublishStats();
   }
   PublishStats();
@@ -552,6 +560,8 @@ void PrefillWorker::Onboard(Job& j, int32_t usable) {
   const int32_t from = static_cast<int32_t>(j.local_cached_blocks);
   const int32_t to = std::min(j.store_matched, usable);
   if (kvstore_ == nullptr || !region_registered_ || to <= from) return;
+  trace::Span span(o_.tracer, "onboard", "kv", j.id);
+  span.Arg("blocks", to - from);
   if (onboard_staging_ != nullptr) {
     OnboardThroughStaging(j, from, std::min(to, from + staging_blocks_));
     return;
@@ -920,6 +930,7 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, bool draft
   }
   {
     absl::MutexLock l(&job.mu);
+    if (job.first_write == absl::Time()) job.first_write = absl::Now();
     ++job.writes_in_flight;
   }
   // The callback may run inline or on the transport's thread; it holds the job alive.
@@ -979,12 +990,34 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
   std::erase(active_, job);
   absl::Status write_status;
   uint64_t bytes;
-  absl::Time writes_done;
+  absl::Time first_write, writes_done;
   {
     absl::MutexLock l(&job->mu);
     write_status = job->write_status;
     bytes = job->bytes;
+    first_write = job->first_write;
     writes_done = job->writes_done;
+  }
+  if (o_.tracer != nullptr) {
+    // On tracks of their own per request: other requests' compute and transfers interleave.
+    const absl::Time never;
+    auto us = [](absl::Time t) { return absl::ToUnixMicros(t); };
+    if (job->compute_start != never) {
+      o_.tracer->Async("queued", "prefill", job->id, us(job->arrived), us(job->compute_start));
+      if (job->compute_end != never) {
+        o_.tracer->Async("compute", "prefill", job->id, us(job->compute_start),
+                         us(job->compute_end),
+                         {{"prompt_tokens", job->prompt.size()},
+                          {"cached_tokens", (job->local_cached_blocks + job->kvstore_blocks) *
+                                                engine_->kv().block_size()}});
+      }
+    }
+    if (first_write != never) {
+      o_.tracer->Async("kv_transfer", "kv", job->id, us(first_write), us(writes_done),
+                       {{"bytes", bytes},
+                        {"transport", transport_name_},
+                        {"status", write_status.ToString()}});
+    }
   }
   if (job->cancelled.load()) {
     Complete(*job, shutting_down_ ? absl::UnavailableError("prefill worker is shutting down")

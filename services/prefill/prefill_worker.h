@@ -58,6 +58,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/trace/trace.h"
 #include "common/transfer/transfer.h"
 #include "engine/kv/prefix_cache.h"
 #include "engine/runtime/engine.h"
@@ -107,6 +108,8 @@ struct PrefillWorkerOptions {
   engine::DevicePeaks peaks;
   bool measure_peaks = false;  // measure the peaks left at 0, in the background
   services::UtilizationMetrics* util_metrics = nullptr;
+  // Spans of RPCs, engine steps and KV transfers (common/trace/trace.h); null: none. Not owned.
+  trace::Tracer* tracer = nullptr;
 };
 
 class PrefillWorker {
@@ -135,6 +138,7 @@ class PrefillWorker {
   int32_t draft_blocks_in_use() const { return draft_blocks_in_use_.load(); }
 
   const std::string& worker_id() const { return o_.worker_id; }
+  trace::Tracer* tracer() const { return o_.tracer; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "services/common/process_util.h"
 #include "services/common/tls.h"
+#include "services/common/trace_flags.h"
 #include "services/router/auth.h"
 #include "services/router/log.h"
 #include "services/router/router_server.h"
@@ -65,6 +66,8 @@ int main(int argc, char** argv) {
   app.add_option("--cpus", cpus, "Pin to these CPUs, e.g. 0,2-3");
   app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
   app.add_flag("--verbose", o.verbose, "Log every request");
+  tandem::services::TraceFlags trace_flags;
+  tandem::services::AddTraceFlags(&app, &trace_flags);
   app.add_option("--max-migrations", o.max_migrations,
                  "Times a request whose decode stream breaks mid-way moves to another worker "
                  "(0: never)")
@@ -145,6 +148,11 @@ int main(int argc, char** argv) {
   } else if (!tenant_secret_file.empty()) {
     return Fail(absl::InvalidArgumentError("--tenant-secret-file needs --api-keys"));
   }
+  // Declared before the server, so it is closed after the server has stopped.
+  absl::StatusOr<std::unique_ptr<tandem::trace::Tracer>> tracer =
+      tandem::services::OpenTrace(trace_flags, "tandem-router");
+  if (!tracer.ok()) return Fail(tracer.status());
+  o.tracer = tracer->get();
   auto server = tandem::router::RouterServer::Create(o, http);
   if (!server.ok()) return Fail(server.status());
   if (!port_file.empty()) {

@@ -292,10 +292,16 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     return services::ToGrpcStatus(
         absl::AlreadyExistsError(absl::StrCat("request_id '", c.id, "' is already in flight")));
   }
+  trace::Span span(o_.tracer, "Generate", "rpc", c.id);
   absl::Status result;
   {
+    const int64_t queued_from = trace::Tracer::NowMicros();
     absl::StatusOr<Slot> slot =
         admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); });
+    if (o_.tracer != nullptr) {
+      o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
+                          {{"request_id", c.id}});
+    }
     if (!slot.ok()) {
       result = slot.status();
       // Full: say when to come back, as the rate limiter does (the HTTP front door turns it into
@@ -316,6 +322,14 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
                              : "error";
     metrics_->RecordEnd(absl::Now() - c.arrival, reason, static_cast<int>(c.req.prompt.size()),
                         c.completion_tokens);
+  }
+  if (span.on()) {
+    span.Arg("prompt_tokens", c.req.prompt.size());
+    span.Arg("completion_tokens", c.completion_tokens);
+    span.Arg("prefill_worker", c.prefill_worker);
+    span.Arg("decode_worker", c.decode_worker);
+    span.Arg("migrations", c.migrations);
+    span.Arg("status", result.ToString());
   }
   if (o_.verbose || !result.ok()) {
     Logf("%s prompt=%zu completion=%d prefill=%s decode=%s finish=%s migrations=%d %.1f ms: %s",
@@ -405,7 +419,10 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
       auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
       reserve.Clear();
+      trace::Span call(o_.tracer, "call Reserve", "rpc", c.id);
+      call.Arg("worker", d.worker_id());
       const grpc::Status gs = stub->Reserve(cc.get(), rq, &reserve);
+      call.Arg("code", static_cast<int>(gs.error_code()));
       if (gs.ok()) break;
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
                                        absl::StrCat("decode worker ", d.worker_id(), " Reserve: "));
@@ -451,7 +468,12 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       auto cc = Child(*c.ctx, c.deadline);
       auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
       pr.Clear();
+      // The request's flow starts here and runs on through the prefill and decode workers.
+      trace::Span call(o_.tracer, "call Prefill", "rpc", c.id);
+      call.Flow('s');
+      call.Arg("worker", p.worker_id());
       const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
+      call.Arg("code", static_cast<int>(gs.error_code()));
       if (gs.ok()) {
         c.prefill_worker = p.worker_id();
         const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
@@ -552,6 +574,9 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
                                            const v1::DecodeRequest& dreq) {
   auto cc = Child(*c.ctx, c.deadline);
   auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
+  trace::Span call(o_.tracer, "call Decode", "rpc", c.id);
+  call.Arg("worker", d.worker_id());
+  if (dreq.prefill_locally()) call.Flow('s');  // colocated: no prefill call started the flow
   const absl::Time sent = absl::Now();
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Decode(cc.get(), dreq);
   v1::GenerateResponse msg;

@@ -57,6 +57,7 @@
 #include "services/router/auth.h"
 #include "services/router/autoscale.h"
 #include "services/router/router_metrics.h"
+#include "common/trace/trace.h"
 #include "services/router/prefix_index.h"
 #include "services/router/model_holder.h"
 #include "services/router/router_model.h"
@@ -102,6 +103,9 @@ struct RouterOptions {
   // retry on other prefill workers, with a short backoff, before it fails; every failure
   // releases or reuses the decode reservation, never leaks it. 0: fail on the first.
   int prefill_retries = 3;
+  // Spans of every request (common/trace/trace.h); null: no trace. Not owned: outlives the
+  // server.
+  trace::Tracer* tracer = nullptr;
 };
 
 // INVALID_ARGUMENT naming the first bad field.

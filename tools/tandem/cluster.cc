@@ -59,6 +59,7 @@ struct State {
   std::string transport, ucx_tls;
   int ctx_size = 0, kv_blocks = 0, max_seqs = 0;
   std::vector<std::string> worker_args;
+  std::string trace_dir;  // every process writes --trace <trace_dir>/<name>.json; empty: none
   int next_cpu = 0;
   std::vector<Proc> procs;
 };
@@ -88,7 +89,7 @@ json ToJson(const State& s) {
                    {"transport", s.transport}, {"ucx_tls", s.ucx_tls},
                    {"ctx_size", s.ctx_size},   {"kv_blocks", s.kv_blocks},
                    {"max_seqs", s.max_seqs},   {"worker_args", s.worker_args},
-                   {"next_cpu", s.next_cpu}};
+                   {"trace_dir", s.trace_dir}, {"next_cpu", s.next_cpu}};
   json procs = json::array();
   for (const Proc& p : s.procs) {
     procs.push_back({{"name", p.name},
@@ -153,6 +154,7 @@ absl::StatusOr<State> LoadState(const std::string& dir) {
     s.kv_blocks = st.at("kv_blocks").get<int>();
     s.max_seqs = st.at("max_seqs").get<int>();
     s.worker_args = st.at("worker_args").get<std::vector<std::string>>();
+    s.trace_dir = st.value("trace_dir", std::string());
     s.next_cpu = st.at("next_cpu").get<int>();
     for (const json& p : j.at("processes")) {
       Proc q;
@@ -242,6 +244,9 @@ absl::StatusOr<pid_t> Spawn(const State& s, const Proc& p) {
   const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   std::vector<std::string> argv_s = {p.binary};
   argv_s.insert(argv_s.end(), p.args.begin(), p.args.end());
+  if (!s.trace_dir.empty()) {
+    argv_s.insert(argv_s.end(), {"--trace", (fs::path(s.trace_dir) / (p.name + ".json")).string()});
+  }
   std::vector<char*> argv;
   for (std::string& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -578,6 +583,14 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   s.kv_blocks = o.kv_blocks;
   s.max_seqs = o.max_seqs;
   s.worker_args = o.worker_args;
+  if (!o.trace_dir.empty()) {
+    fs::create_directories(o.trace_dir, ec);
+    if (ec) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("--trace-dir: cannot create ", o.trace_dir, ": ", ec.message()));
+    }
+    s.trace_dir = fs::absolute(o.trace_dir).lexically_normal().string();
+  }
   // Refused here, before any process starts, rather than by each worker at its start.
   TANDEM_RETURN_IF_ERROR(engine::ParseSpeculative(o.speculative, o.spec_tokens).status());
   if (o.speculative != "off") {

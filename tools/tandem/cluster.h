@@ -64,6 +64,9 @@ struct ClusterUpOptions {
   // --tls-* for every process of the cluster (and this tool's own health checks): appended to
   // router_args and worker_args.
   services::TlsOptions tls;
+  // Every process (and any added later) writes a Chrome/Perfetto trace, <trace_dir>/<name>.json
+  // (`tandem trace merge` joins them); empty: no traces.
+  std::string trace_dir;
   std::string bin_dir;  // empty: the folder of the running tandem binary
   absl::Duration ready_timeout = absl::Seconds(60);
 };

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/trace/trace.h"
 #include "tools/tandem/bench.h"
 #include "tools/tandem/client.h"
 #include "services/common/tls.h"
@@ -175,6 +176,9 @@ int main(int argc, char** argv) {
   cu->add_option("--speculative", up.speculative,
                  "Speculative decoding of every worker: off, ngram, self:TYPE or draft:PATH");
   cu->add_option("--spec-tokens", up.spec_tokens, "Most draft tokens verified per step (1-16)");
+  cu->add_option("--trace-dir", up.trace_dir,
+                 "Every process writes a Chrome/Perfetto trace here, NAME.json (join them with "
+                 "tandem trace merge)");
   cu->add_option("--bin-dir", up.bin_dir, "Folder of the service binaries (default: tandem's)");
   cu->add_option("--timeout-ms", up_timeout_ms, "How long to wait for readiness");
   tandem::services::AddTlsFlags(*cu, &up.tls);
@@ -222,6 +226,16 @@ int main(int argc, char** argv) {
 
   // client
   tandem::tools::ClientOptions cli;
+  auto* tr = app.add_subcommand("trace", "Work with the services' --trace files");
+  tr->require_subcommand(1);
+  std::vector<std::string> trace_inputs;
+  std::string trace_out;
+  auto* tm = tr->add_subcommand(
+      "merge", "Join services' traces into one that Perfetto opens (each process keeps a track)");
+  tm->add_option("traces", trace_inputs, "Trace files written by --trace")->required();
+  tm->add_option("--out", trace_out, "Merged trace file")->required();
+  tm->callback([&] { rc = Report(tandem::trace::MergeTraces(trace_inputs, trace_out)); });
+
   auto* c = app.add_subcommand("client", "Stream one request from a cluster's router");
   c->add_option("--router", cli.router, "Router host:port")->required();
   c->add_option("--prompt", cli.prompt, "Prompt text");
