@@ -10,34 +10,57 @@ Slot::~Slot() {
   if (owner_ != nullptr) owner_->Release();
 }
 
+const char* PriorityName(Priority p) {
+  switch (p) {
+    case Priority::kInteractive:
+      return "interactive";
+    case Priority::kStandard:
+      return "standard";
+    case Priority::kBatch:
+      return "batch";
+  }
+  return "standard";
+}
+
 Admission::Admission(int max_inflight, int max_queue)
     : max_inflight_(std::max(1, max_inflight)), max_queue_(std::max(0, max_queue)) {}
 
 absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
-                                        const std::function<bool()>& cancelled) {
+                                        const std::function<bool()>& cancelled,
+                                        Priority priority) {
   absl::MutexLock lock(&mu_);
   // Fast path: a free slot and nobody ahead in the queue.
-  if (running_ < max_inflight_ && waiting_ == 0) {
+  if (running_ < max_inflight_ && queue_.empty()) {
     running_++;
     return Slot(this);
   }
-  if (waiting_ >= max_queue_) {
-    rejected_++;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("router overloaded: ", running_, " requests running and ", waiting_,
-                     " waiting (limits ", max_inflight_, " and ", max_queue_, ")"));
+  const int cls = static_cast<int>(priority);
+  if (static_cast<int>(queue_.size()) >= max_queue_) {
+    // Full: push out the newest waiter of a less urgent class, or refuse this one.
+    if (max_queue_ == 0 || std::prev(queue_.end())->first <= cls) {
+      rejected_++;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "router overloaded: ", running_, " requests running and ", queue_.size(),
+          " waiting (limits ", max_inflight_, " and ", max_queue_, "), none less urgent than ",
+          PriorityName(priority)));
+    }
+    auto last = std::prev(queue_.end());
+    displaced_tickets_.insert(last->second);
+    queue_.erase(last);
   }
   const uint64_t ticket = next_ticket_++;
-  waiting_++;
-  auto my_turn = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return serving_ == ticket && running_ < max_inflight_;
+  const std::pair<int, uint64_t> me{cls, ticket};
+  queue_.insert(me);
+  auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return displaced_tickets_.contains(ticket) ||
+           (*queue_.begin() == me && running_ < max_inflight_);
   };
   absl::Status failure;
-  while (!my_turn()) {
+  while (!settled()) {
     // Wake at least every 50 ms to notice a cancelled caller.
     const absl::Time wake = std::min(deadline, absl::Now() + absl::Milliseconds(50));
-    mu_.AwaitWithDeadline(absl::Condition(&my_turn), wake);
-    if (my_turn()) break;
+    mu_.AwaitWithDeadline(absl::Condition(&settled), wake);
+    if (settled()) break;
     if (cancelled && cancelled()) {
       failure = absl::CancelledError("request cancelled while queued at the router");
       break;
@@ -47,29 +70,16 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
       break;
     }
   }
-  waiting_--;
-  if (!failure.ok()) {
-    // Leave the queue: if it was our turn, pass it on; otherwise remember to skip our ticket.
-    if (serving_ == ticket) {
-      serving_++;
-    } else {
-      abandoned_.push_back(ticket);
-    }
-  } else {
-    serving_++;
-    running_++;
+  if (displaced_tickets_.erase(ticket) > 0) {
+    rejected_++;
+    displaced_++;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "router overloaded: this ", PriorityName(priority),
+        " request was displaced from the full queue by a more urgent one"));
   }
-  // Skip tickets whose owners gave up before their turn came.
-  for (bool moved = true; moved;) {
-    moved = false;
-    auto it = std::find(abandoned_.begin(), abandoned_.end(), serving_);
-    if (it != abandoned_.end()) {
-      abandoned_.erase(it);
-      serving_++;
-      moved = true;
-    }
-  }
+  queue_.erase(me);
   if (!failure.ok()) return failure;
+  running_++;
   return Slot(this);
 }
 
@@ -85,7 +95,22 @@ int Admission::running() const {
 
 int Admission::waiting() const {
   absl::MutexLock lock(&mu_);
-  return waiting_;
+  return static_cast<int>(queue_.size());
+}
+
+int Admission::waiting_ahead(Priority priority) const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& [cls, ticket] : queue_) {
+    if (cls > static_cast<int>(priority)) break;
+    ++n;
+  }
+  return n;
+}
+
+uint64_t Admission::displaced() const {
+  absl::MutexLock lock(&mu_);
+  return displaced_;
 }
 
 uint64_t Admission::rejected() const {

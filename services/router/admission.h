@@ -1,16 +1,22 @@
 // Admission: bounds how many requests the router works on at once and how many may wait.
 //
-// Up to max_inflight requests hold a slot; up to max_queue more wait for one, first come first
-// served; anything beyond is refused at once with RESOURCE_EXHAUSTED, so overload turns into
-// fast, explicit back-pressure instead of unbounded latency. A waiter gives up at its deadline
-// (DEADLINE_EXCEEDED) or when its caller is cancelled (CANCELLED).
+// Up to max_inflight requests hold a slot; up to max_queue more wait for one. A freed slot goes
+// to the waiter of the highest priority class (interactive, then standard, then batch), first
+// come first served within a class. When the queue is full, a request displaces the newest
+// waiter of a lower class (which ends RESOURCE_EXHAUSTED, so batch traffic absorbs the
+// overload); with none to displace it is refused at once with RESOURCE_EXHAUSTED, so overload
+// turns into fast, explicit back-pressure instead of unbounded latency. A waiter gives up at its
+// deadline (DEADLINE_EXCEEDED) or when its caller is cancelled (CANCELLED).
 //
 // Threading: thread-safe. A Slot is released by its destructor on any thread.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <set>
+#include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -18,6 +24,10 @@
 namespace tandem::router {
 
 class Admission;
+
+// Request classes, most urgent first (tandem.v1.Priority without UNSPECIFIED).
+enum class Priority { kInteractive = 0, kStandard = 1, kBatch = 2 };
+const char* PriorityName(Priority p);
 
 class Slot {
  public:
@@ -38,11 +48,16 @@ class Admission {
   Admission(int max_inflight, int max_queue);
 
   // Waits for a slot. `cancelled` is polled while waiting (it may be empty).
-  absl::StatusOr<Slot> Acquire(absl::Time deadline, const std::function<bool()>& cancelled);
+  absl::StatusOr<Slot> Acquire(absl::Time deadline, const std::function<bool()>& cancelled,
+                               Priority priority = Priority::kStandard);
 
   int running() const;
   int waiting() const;
-  uint64_t rejected() const;
+  // Waiting requests of `priority` and more urgent classes: those a new request of that class
+  // would wait behind.
+  int waiting_ahead(Priority priority) const;
+  uint64_t rejected() const;   // refused at arrival and displaced
+  uint64_t displaced() const;  // of those, waiters pushed out by a more urgent arrival
 
  private:
   friend class Slot;
@@ -52,12 +67,13 @@ class Admission {
   const int max_queue_;
   mutable absl::Mutex mu_;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
-  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;  // handed to each waiter in arrival order
-  uint64_t serving_ ABSL_GUARDED_BY(mu_) = 0;      // lowest ticket still waiting
+  // Waiters in the order they are served: (class, ticket).
+  std::set<std::pair<int, uint64_t>> queue_ ABSL_GUARDED_BY(mu_);
+  // Waiters displaced by a more urgent arrival, until they notice.
+  absl::flat_hash_set<uint64_t> displaced_tickets_ ABSL_GUARDED_BY(mu_);
   uint64_t rejected_ ABSL_GUARDED_BY(mu_) = 0;
-  // Tickets of waiters that gave up, so serving_ can skip them.
-  std::vector<uint64_t> abandoned_ ABSL_GUARDED_BY(mu_);
+  uint64_t displaced_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tandem::router

@@ -435,6 +435,22 @@ std::optional<HttpError> ParseOpenAiRequest(ApiKind kind, std::string_view body,
   g.set_model(model_name.value_or(""));
   std::optional<int64_t> max_tokens;
   if (auto e = ParseSampling(f, kind, g.mutable_sampling(), &max_tokens)) return e;
+  // Extension field: the request's class at the router's admission queue.
+  std::optional<std::string> priority;
+  f.String("priority", &priority);
+  if (f.error) return f.error;
+  if (priority) {
+    if (*priority == "interactive") {
+      g.set_priority(v1::PRIORITY_INTERACTIVE);
+    } else if (*priority == "standard") {
+      g.set_priority(v1::PRIORITY_STANDARD);
+    } else if (*priority == "batch") {
+      g.set_priority(v1::PRIORITY_BATCH);
+    } else {
+      return Bad("priority", absl::StrCat("priority must be \"interactive\", \"standard\" or "
+                                          "\"batch\", got \"", *priority, "\""));
+    }
+  }
   if (kind == ApiKind::kCompletion) {
     if (auto e = ParsePrompt(j, model, &g)) return e;
     g.mutable_sampling()->set_max_tokens(static_cast<int32_t>(max_tokens.value_or(16)));

@@ -60,6 +60,7 @@ class RouterServer {
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 
   WorkerRegistry& registry() { return *registry_; }
+  const Admission& admission() const { return *admission_; }
   // The served model; only once it is known (with a model file: always).
   const RouterModel& model() const { return *models_->model(); }
   const ModelHolder& models() const { return *models_; }

@@ -239,6 +239,22 @@ absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedR
   const int64_t need = static_cast<int64_t>(out->prompt.size()) + out->engine_sampling.max_tokens;
   out->sampling = services::SamplingToProto(out->engine_sampling);
   out->kv_blocks = (need + o_.kv_block_size - 1) / o_.kv_block_size;
+  switch (req.priority()) {
+    case v1::PRIORITY_UNSPECIFIED:
+    case v1::PRIORITY_STANDARD:
+      out->priority = Priority::kStandard;
+      break;
+    case v1::PRIORITY_INTERACTIVE:
+      out->priority = Priority::kInteractive;
+      break;
+    case v1::PRIORITY_BATCH:
+      out->priority = Priority::kBatch;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "priority: unknown value ", static_cast<int>(req.priority()),
+          " (PRIORITY_INTERACTIVE, PRIORITY_STANDARD or PRIORITY_BATCH)"));
+  }
   return absl::OkStatus();
 }
 
@@ -296,11 +312,11 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   absl::Status result;
   {
     const int64_t queued_from = trace::Tracer::NowMicros();
-    absl::StatusOr<Slot> slot =
-        admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); });
+    absl::StatusOr<Slot> slot = admission_->Acquire(
+        c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority);
     if (o_.tracer != nullptr) {
       o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
-                          {{"request_id", c.id}});
+                          {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}});
     }
     if (!slot.ok()) {
       result = slot.status();

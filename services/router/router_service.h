@@ -117,6 +117,7 @@ struct PreparedRequest {
   engine::SamplingParams engine_sampling;
   v1::SamplingParams sampling;  // as received (workers apply the same defaults)
   int64_t kv_blocks = 0;        // blocks the request will hold on its decode worker
+  Priority priority = Priority::kStandard;
 };
 
 class InferenceService final : public v1::Inference::Service {

@@ -30,7 +30,10 @@ namespace fs = std::filesystem;
 namespace v1 = tandem::v1;
 
 constexpr int kGraceMs = 15000;
-constexpr int kLongTokens = 900;  // about a second or two of decoding here
+// Nearly the whole context, so the streams outlast the drop even on a loaded machine (900
+// tokens once ended first, after attention got faster).
+constexpr int kCtx = 4096;
+constexpr int kLongTokens = kCtx - 300;
 constexpr int kStreams = 4;
 constexpr int kShortTokens = 16;
 
@@ -71,6 +74,7 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   FaultClusterOptions o;
   o.name = "drain";
   o.decode = 2;
+  o.ctx_size = kCtx;
   o.decode_args = {"--grace-ms", std::to_string(kGraceMs)};
   o.worker_args[victim] = {"--metrics-port", std::to_string(metrics_port)};
   FaultCluster cluster(o);

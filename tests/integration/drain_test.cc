@@ -38,10 +38,12 @@ namespace v1 = tandem::v1;
 
 const fs::path kModel = fs::path(TANDEM_SHARED_MODELS_DIR) / "stories260K" / "stories260K.gguf";
 const std::string kBin = TANDEM_BIN_DIR;
-constexpr int kCtx = 2048;
+constexpr int kCtx = 4096;
 constexpr int kGraceMs = 15000;
-// Long enough that every stream is still decoding when the signal lands (about 2 s here).
-constexpr int kLongTokens = 1200;
+// Long enough that every stream is still decoding when the signal lands (1200 tokens once
+// ended first on a loaded machine, after attention got faster), short enough that the drain
+// ends well inside the grace (the whole context took 14 s beside the short-request load).
+constexpr int kLongTokens = 2200;
 constexpr int kStreams = 6;
 
 // Runs the tandem CLI, killed after `timeout_s`; returns its exit code, output in *out.

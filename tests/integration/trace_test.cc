@@ -9,7 +9,8 @@
 //   and the kvstore served its Lookup;
 // - one flow, keyed by the request id, runs router -> prefill -> decode in time order, each of
 //   its points inside a slice of the same thread;
-// - slices of one thread nest, as Perfetto's JSON importer requires.
+// - slices of one thread nest, as Perfetto's JSON importer requires;
+// - the router admitted it in the class `tandem client --priority` asked for.
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -57,7 +58,7 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
   const std::string id = "trace-test-request-1";
   ShellResult client = Tandem(absl::StrCat(
       "client --router ", state["router"].get<std::string>(), " --request-id ", id,
-      " --max-tokens 12 --prompt ",
+      " --priority interactive --max-tokens 12 --prompt ",
       Quote("Once upon a time, there was a little girl named Lily. She loved to play outside in "
             "the sun. One day, she saw a big red ball in the park.")));
   ShellResult down = Tandem(absl::StrCat("cluster down --dir ", Quote(dir.string())));
@@ -104,6 +105,7 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
   };
   std::vector<FlowPoint> flow;
   int steps_naming_it = 0;
+  std::string admitted_as;  // the class the router admitted it in
   const uint64_t flow_id = tandem::trace::FlowId(id);
   for (const json& e : events) {
     ASSERT_TRUE(e.contains("name") && e.contains("ph") && e.contains("pid") && e.contains("tid"))
@@ -120,7 +122,10 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
     }
     if ((ph == "b" || ph == "e") && !e.contains("id")) ADD_FAILURE() << "async without id: " << e;
     const json args = e.value("args", json::object());
-    if (args.value("request_id", std::string()) == id) of_request[proc].insert(e.at("name"));
+    if (args.value("request_id", std::string()) == id) {
+      of_request[proc].insert(e.at("name"));
+      if (e.at("name") == "admission") admitted_as = args.value("priority", std::string());
+    }
     if (ph == "X" && e.at("name") == "step" && args.contains("requests")) {
       const auto& r = args.at("requests");
       if (std::find(r.begin(), r.end(), id) != r.end() && proc == "tandem-decode") {
@@ -141,6 +146,7 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
     EXPECT_TRUE(has("tandem-prefill", n)) << "prefill: " << n;
   }
   for (const char* n : {"Reserve", "Decode"}) EXPECT_TRUE(has("tandem-decode", n)) << n;
+  EXPECT_EQ(admitted_as, "interactive") << "tandem client --priority reaches the admission queue";
   // 12 tokens: the first came from prefill, the others from decode steps that carried it.
   EXPECT_GE(steps_naming_it, 11);
   EXPECT_TRUE(all["tandem-kvstore"].contains("Lookup"));

@@ -58,6 +58,16 @@ absl::Status RunClient(const ClientOptions& o) {
   req.set_text(o.prompt);
   req.set_model(o.model);
   req.set_request_id(o.request_id);
+  if (o.priority == "interactive") {
+    req.set_priority(v1::PRIORITY_INTERACTIVE);
+  } else if (o.priority == "standard") {
+    req.set_priority(v1::PRIORITY_STANDARD);
+  } else if (o.priority == "batch") {
+    req.set_priority(v1::PRIORITY_BATCH);
+  } else if (!o.priority.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--priority must be interactive, standard or batch, got ", o.priority));
+  }
   *req.mutable_sampling() = services::SamplingToProto(o.sampling);
   grpc::ClientContext cc;
   if (!o.api_key.empty()) cc.AddMetadata("authorization", "Bearer " + o.api_key);

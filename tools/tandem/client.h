@@ -22,6 +22,7 @@ struct ClientOptions {
   std::string prompt;
   std::string model;                // empty: the cluster's model
   std::string request_id;           // empty: the router makes one
+  std::string priority;             // interactive, standard or batch; empty: unset (standard)
   engine::SamplingParams sampling;  // every field is sent, so defaults match generate's
   int64_t timeout_ms = 600000;      // the call's deadline; 0: none
   bool json = false;

@@ -241,6 +241,8 @@ int main(int argc, char** argv) {
   c->add_option("--prompt", cli.prompt, "Prompt text");
   c->add_option("--model", cli.model, "Model id (default: the cluster's)");
   c->add_option("--request-id", cli.request_id);
+  c->add_option("--priority", cli.priority,
+                 "Admission class at the router: interactive, standard or batch");
   c->add_option("--max-tokens", cli.sampling.max_tokens, "Tokens to generate");
   c->add_option("--temperature", cli.sampling.temperature, "0 = greedy");
   c->add_option("--seed", cli.sampling.seed, "Sampling seed");

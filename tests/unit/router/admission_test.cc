@@ -1,4 +1,6 @@
-// Admission: in-flight and queue limits, FIFO hand-over, deadline and cancellation of waiters.
+// Admission: in-flight and queue limits, FIFO hand-over within a priority class and the most
+// urgent class first, displacement of less urgent waiters from a full queue, deadline and
+// cancellation of waiters.
 #include "services/router/admission.h"
 
 #include <atomic>
@@ -74,6 +76,86 @@ TEST(AdmissionTest, WaiterGivesUpAtDeadlineOrCancellationWithoutBlockingOthers) 
   held.reset();
   next.join();
   EXPECT_EQ(adm.waiting(), 0);
+}
+
+// Queues `priorities` in order behind a held slot, then frees it; returns the order in which
+// they were served, by index.
+std::vector<int> ServedOrder(Admission& adm, const std::vector<Priority>& priorities) {
+  std::optional<Slot> held(*adm.Acquire(Soon(), nullptr));
+  absl::Mutex mu;
+  std::vector<int> order;
+  std::vector<std::thread> waiters;
+  for (size_t i = 0; i < priorities.size(); ++i) {
+    waiters.emplace_back([&, i] {
+      auto s = adm.Acquire(Soon(), nullptr, priorities[i]);
+      EXPECT_TRUE(s.ok()) << s.status();
+      absl::MutexLock lock(&mu);
+      order.push_back(static_cast<int>(i));
+    });
+    while (adm.waiting() != static_cast<int>(i) + 1) absl::SleepFor(absl::Milliseconds(1));
+  }
+  held.reset();
+  for (auto& t : waiters) t.join();
+  return order;
+}
+
+TEST(AdmissionTest, MoreUrgentClassesAreServedFirstAndFifoWithinAClass) {
+  Admission adm(1, 8);
+  using P = Priority;
+  const std::vector<P> arrivals = {P::kBatch,    P::kStandard,    P::kBatch,
+                                   P::kInteractive, P::kStandard, P::kInteractive};
+  EXPECT_EQ(ServedOrder(adm, arrivals), (std::vector<int>{3, 5, 1, 4, 0, 2}));
+  EXPECT_EQ(adm.waiting(), 0);
+  EXPECT_EQ(adm.running(), 0);
+}
+
+TEST(AdmissionTest, WaitingAheadCountsOnlyTheSameOrMoreUrgentClasses) {
+  Admission adm(1, 8);
+  std::optional<Slot> held(*adm.Acquire(Soon(), nullptr));
+  std::vector<std::thread> waiters;
+  const std::vector<Priority> arrivals = {Priority::kBatch, Priority::kStandard,
+                                          Priority::kInteractive, Priority::kBatch};
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    waiters.emplace_back([&, i] { EXPECT_TRUE(adm.Acquire(Soon(), nullptr, arrivals[i]).ok()); });
+    while (adm.waiting() != static_cast<int>(i) + 1) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(adm.waiting_ahead(Priority::kInteractive), 1);
+  EXPECT_EQ(adm.waiting_ahead(Priority::kStandard), 2);
+  EXPECT_EQ(adm.waiting_ahead(Priority::kBatch), 4);
+  held.reset();
+  for (auto& t : waiters) t.join();
+}
+
+TEST(AdmissionTest, FullQueueDisplacesTheNewestLessUrgentWaiter) {
+  Admission adm(1, 2);
+  std::optional<Slot> held(*adm.Acquire(Soon(), nullptr));
+  std::optional<absl::StatusOr<Slot>> old_batch, new_batch;
+  std::thread a([&] { old_batch.emplace(adm.Acquire(Soon(), nullptr, Priority::kBatch)); });
+  while (adm.waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
+  std::thread b([&] { new_batch.emplace(adm.Acquire(Soon(), nullptr, Priority::kBatch)); });
+  while (adm.waiting() != 2) absl::SleepFor(absl::Milliseconds(1));
+  // Full. Another batch request is refused at once; an interactive one takes the newest batch
+  // waiter's place.
+  EXPECT_EQ(adm.Acquire(Soon(), nullptr, Priority::kBatch).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  std::optional<absl::StatusOr<Slot>> urgent;
+  std::thread c([&] { urgent.emplace(adm.Acquire(Soon(), nullptr, Priority::kInteractive)); });
+  b.join();
+  ASSERT_TRUE(new_batch.has_value());
+  EXPECT_EQ(new_batch->status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(new_batch->status().message().find("displaced"), std::string::npos);
+  EXPECT_EQ(adm.displaced(), 1u);
+  EXPECT_EQ(adm.rejected(), 2u);
+  EXPECT_EQ(adm.waiting(), 2);
+  // The freed slot goes to the interactive request, then the older batch one runs.
+  held.reset();
+  c.join();
+  ASSERT_TRUE(urgent.has_value() && urgent->ok());
+  EXPECT_FALSE(old_batch.has_value()) << "the batch waiter ran before the interactive one";
+  urgent.reset();
+  a.join();
+  ASSERT_TRUE(old_batch.has_value());
+  EXPECT_TRUE(old_batch->ok());
 }
 
 }  // namespace

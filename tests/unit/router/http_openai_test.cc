@@ -103,6 +103,19 @@ TEST_F(HttpOpenAiTest, CompletionFieldsMapToTheGenerateRequest) {
   ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt": "x", "speculative": false})", &off));
   ASSERT_TRUE(off.generate.sampling().has_speculative());
   EXPECT_FALSE(off.generate.sampling().speculative());
+  // The priority extension field: the admission class; unset is UNSPECIFIED (standard).
+  EXPECT_EQ(d1.generate.priority(), v1::PRIORITY_UNSPECIFIED);
+  for (const auto& [name, want] :
+       std::vector<std::pair<std::string, v1::Priority>>{{"interactive", v1::PRIORITY_INTERACTIVE},
+                                                         {"standard", v1::PRIORITY_STANDARD},
+                                                         {"batch", v1::PRIORITY_BATCH}}) {
+    OpenAiRequest p;
+    ASSERT_FALSE(Parse(ApiKind::kChat,
+                       absl::StrCat(R"({"messages": [{"role": "user", "content": "hi"}], )",
+                                    R"("priority": ")", name, R"("})"),
+                       &p));
+    EXPECT_EQ(p.generate.priority(), want) << name;
+  }
 
   // Token-id prompts, bare or wrapped in a one-element batch.
   OpenAiRequest t;
@@ -155,6 +168,8 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
       {ApiKind::kCompletion, R"({"prompt": "x", "stop": ["a", 1]})", "stop", "stop[1]"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stream": "yes"})", "stream", "boolean"},
       {ApiKind::kCompletion, R"({"prompt": "x", "speculative": 0})", "speculative", "boolean"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "priority": "urgent"})", "priority", "urgent"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "priority": 1})", "priority", "string"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stream_options": {"include_usage": true}})",
        "stream_options", "stream: true"},
       {ApiKind::kCompletion, R"({"prompt": "x", "echo": true})", "echo", "not supported"},

@@ -404,6 +404,9 @@ TEST_F(RouterTest, InvalidRequestsNameTheFieldAndReachNoWorker) {
   r = TextRequest("hi");
   r.set_model("gpt-9");
   cases.push_back({r, grpc::StatusCode::NOT_FOUND, "gpt-9"});
+  r = TextRequest("hi");
+  r.set_priority(static_cast<v1::Priority>(7));
+  cases.push_back({r, grpc::StatusCode::INVALID_ARGUMENT, "priority"});
   for (const Case& c : cases) {
     Outcome out = Run(c.req);
     EXPECT_EQ(out.status.error_code(), c.code) << c.needle << ": " << out.status.error_message();
@@ -620,6 +623,47 @@ TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   while (reader->Read(&m)) {
   }
   reader->Finish();
+}
+
+TEST_F(RouterTest, AnInteractiveRequestDisplacesAQueuedBatchOne) {
+  RouterOptions o;
+  o.max_inflight = 1;
+  o.max_queue = 1;
+  StartRouter(o);
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  decode.tokens = 1000;  // every stream: about 3 s, far longer than the steps below
+  decode.token_delay = absl::Milliseconds(3);
+  FakePrefill& prefill = Own<FakePrefill>();
+  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  grpc::ClientContext cc;
+  cc.set_deadline(services::ToChronoDeadline(absl::Now() + absl::Seconds(30)));
+  auto reader = inference_->Generate(&cc, TextRequest("hi", 200));
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));  // the first request holds the only slot
+  v1::GenerateRequest batch = TextRequest("hi", 3);
+  batch.set_priority(v1::PRIORITY_BATCH);
+  Outcome batch_out;
+  std::thread queued([&] { batch_out = Run(batch); });
+  while (router_->admission().waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
+  // The queue is full; another batch request finds nothing less urgent to displace.
+  EXPECT_EQ(Run(batch).status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  v1::GenerateRequest urgent = TextRequest("hi", 3);
+  urgent.set_priority(v1::PRIORITY_INTERACTIVE);
+  Outcome urgent_out;
+  std::thread interactive([&] { urgent_out = Run(urgent); });
+  queued.join();
+  EXPECT_EQ(batch_out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(batch_out.status.error_message().find("displaced"), std::string::npos)
+      << batch_out.status.error_message();
+  ASSERT_EQ(batch_out.trailers.count("retry-after"), 1u);
+  cc.TryCancel();
+  while (reader->Read(&m)) {
+  }
+  reader->Finish();
+  interactive.join();
+  EXPECT_TRUE(urgent_out.status.ok()) << urgent_out.status.error_message();
+  EXPECT_FALSE(urgent_out.tokens.empty());
 }
 
 TEST_F(RouterTest, DrainingAndDeregisteredWorkersGetNoNewRequests) {
