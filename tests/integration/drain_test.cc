@@ -154,7 +154,10 @@ TEST_F(DrainTest, SigtermedDecodeWorkerFinishesItsStreamsAndGetsNoNewRequests) {
                                    " --prefill 1 --decode 2 --dir ", dir_.string(),
                                    " --router-port 0 --http-port 0 --threads 1 --transport ucx",
                                    " --ucx-tls shm --ctx-size ", kCtx,
-                                   " --lease-ms 2000 --worker-arg=--grace-ms=", kGraceMs),
+                                   // The drained worker deregisters itself; the lease only
+                                   // covers heartbeats, which a loaded CI machine once
+                                   // delayed past 2 s.
+                                   " --lease-ms 5000 --worker-arg=--grace-ms=", kGraceMs),
                       &out, 90),
             0)
       << out;

@@ -237,7 +237,13 @@ TEST(SpeculativeSchedulerTest, GreedyOutputEqualsPlainOnStories) {
     ExpectSameTokens(plain, got);
     EXPECT_GT(got.stats.spec_accepted_tokens, 0);
     EXPECT_GT(got.stats.spec_draft_tokens, got.stats.spec_accepted_tokens) << "no rejection";
-    EXPECT_LT(got.stats.steps, plain.stats.steps) << "speculation saved no step";
+    // Fixed drafts must save steps. The adaptive rule prices drafts from measured step times,
+    // so on a loaded machine it may rightly draft too little to save one (never more steps).
+    if (spec.adaptive) {
+      EXPECT_LE(got.stats.steps, plain.stats.steps);
+    } else {
+      EXPECT_LT(got.stats.steps, plain.stats.steps) << "speculation saved no step";
+    }
     EXPECT_EQ(got.stats.generated_tokens, plain.stats.generated_tokens);
     int64_t hist = 0, kept = 0;
     for (size_t n = 0; n < got.stats.accepted_hist.size(); ++n) {

@@ -222,6 +222,37 @@ class RouterTest : public ::testing::Test {
     std::string text;
     std::multimap<std::string, std::string> trailers;
   };
+  // A router with one in-flight slot and `max_queue` waiting places, one decode and one prefill
+  // worker streaming 1000 tokens `token_delay` apart, and a first request holding the slot.
+  void HoldTheOnlySlot(int max_queue, absl::Duration token_delay) {
+    RouterOptions o;
+    o.max_inflight = 1;
+    o.max_queue = max_queue;
+    StartRouter(o);
+    FakeDecode& decode = Own<FakeDecode>("d0");
+    decode.tokens = 1000;
+    decode.token_delay = token_delay;
+    FakePrefill& prefill = Own<FakePrefill>();
+    Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+    Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+    holder_cc_ = std::make_unique<grpc::ClientContext>();
+    holder_cc_->set_deadline(services::ToChronoDeadline(absl::Now() + absl::Seconds(30)));
+    holder_ = inference_->Generate(holder_cc_.get(), TextRequest("hi", 200));
+    v1::GenerateResponse m;
+    ASSERT_TRUE(holder_->Read(&m));
+  }
+  void ReleaseTheSlot() {
+    holder_cc_->TryCancel();
+    v1::GenerateResponse m;
+    while (holder_->Read(&m)) {
+    }
+    holder_->Finish();
+    holder_.reset();
+  }
+  // The context outlives the reader (members are destroyed in reverse order).
+  std::unique_ptr<grpc::ClientContext> holder_cc_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> holder_;
+
   Outcome Run(const v1::GenerateRequest& req, absl::Duration timeout = absl::Seconds(20)) {
     grpc::ClientContext cc;
     cc.set_deadline(services::ToChronoDeadline(absl::Now() + timeout));
@@ -600,47 +631,17 @@ TEST_F(RouterTest, PrefillRetriesDecideRetryOrFail) {
 }
 
 TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
-  RouterOptions o;
-  o.max_inflight = 1;
-  o.max_queue = 0;
-  StartRouter(o);
-  FakeDecode& decode = Own<FakeDecode>("d0");
-  decode.tokens = 1000;
-  decode.token_delay = absl::Milliseconds(10);
-  FakePrefill& prefill = Own<FakePrefill>();
-  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
-  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
-  grpc::ClientContext cc;
-  cc.set_deadline(services::ToChronoDeadline(absl::Now() + absl::Seconds(30)));
-  auto reader = inference_->Generate(&cc, TextRequest("hi", 200));
-  v1::GenerateResponse m;
-  ASSERT_TRUE(reader->Read(&m));  // the first request holds the only slot
+  ASSERT_NO_FATAL_FAILURE(HoldTheOnlySlot(/*max_queue=*/0, absl::Milliseconds(10)));
   Outcome second = Run(TextRequest("hi"));
   EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   ASSERT_EQ(second.trailers.count("retry-after"), 1u);  // when to come back
   EXPECT_EQ(second.trailers.find("retry-after")->second, "1");
-  cc.TryCancel();
-  while (reader->Read(&m)) {
-  }
-  reader->Finish();
+  ReleaseTheSlot();
 }
 
 TEST_F(RouterTest, AnInteractiveRequestDisplacesAQueuedBatchOne) {
-  RouterOptions o;
-  o.max_inflight = 1;
-  o.max_queue = 1;
-  StartRouter(o);
-  FakeDecode& decode = Own<FakeDecode>("d0");
-  decode.tokens = 1000;  // every stream: about 3 s, far longer than the steps below
-  decode.token_delay = absl::Milliseconds(3);
-  FakePrefill& prefill = Own<FakePrefill>();
-  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
-  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
-  grpc::ClientContext cc;
-  cc.set_deadline(services::ToChronoDeadline(absl::Now() + absl::Seconds(30)));
-  auto reader = inference_->Generate(&cc, TextRequest("hi", 200));
-  v1::GenerateResponse m;
-  ASSERT_TRUE(reader->Read(&m));  // the first request holds the only slot
+  // Every stream: about 3 s, far longer than the steps below.
+  ASSERT_NO_FATAL_FAILURE(HoldTheOnlySlot(/*max_queue=*/1, absl::Milliseconds(3)));
   v1::GenerateRequest batch = TextRequest("hi", 3);
   batch.set_priority(v1::PRIORITY_BATCH);
   Outcome batch_out;
@@ -656,11 +657,8 @@ TEST_F(RouterTest, AnInteractiveRequestDisplacesAQueuedBatchOne) {
   EXPECT_EQ(batch_out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(batch_out.status.error_message().find("displaced"), std::string::npos)
       << batch_out.status.error_message();
-  ASSERT_EQ(batch_out.trailers.count("retry-after"), 1u);
-  cc.TryCancel();
-  while (reader->Read(&m)) {
-  }
-  reader->Finish();
+  EXPECT_EQ(batch_out.trailers.count("retry-after"), 1u);
+  ReleaseTheSlot();
   interactive.join();
   EXPECT_TRUE(urgent_out.status.ok()) << urgent_out.status.error_message();
   EXPECT_FALSE(urgent_out.tokens.empty());
