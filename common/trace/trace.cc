@@ -63,8 +63,18 @@ Tracer::~Tracer() { Close(); }
 
 int64_t Tracer::NowMicros() { return absl::ToUnixMicros(absl::Now()); }
 
+namespace {
+
+// Request ids and status messages come from clients and may hold any bytes: invalid UTF-8 is
+// written as U+FFFD rather than thrown, which would take the service down.
+std::string Dump(const json& ev) {
+  return ev.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace
+
 void Tracer::Write(json ev) {
-  std::string line = ev.dump();
+  std::string line = Dump(ev);
   absl::MutexLock l(&mu_);
   if (f_ == nullptr) return;
   if (bytes_ + static_cast<int64_t>(line.size()) > o_.max_bytes) {
@@ -135,7 +145,7 @@ void Tracer::Close() {
                      {"pid", pid_},
                      {"tid", ThreadId()},
                      {"args", {{"events", events_}, {"dropped_at_size_limit", dropped_}}}};
-  const std::string tail = last.dump() + "\n]\n";
+  const std::string tail = Dump(last) + "\n]\n";
   std::fwrite(tail.data(), 1, tail.size(), f_);
   std::fclose(f_);
   f_ = nullptr;

@@ -4,10 +4,12 @@
 #include <random>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -186,6 +188,25 @@ struct InferenceService::Call {
   bool retries_exhausted = false;
   std::string decode_address;              // of c.decode_worker
   absl::flat_hash_set<std::string> avoid;  // workers that failed this request: not picked again
+  absl::flat_hash_map<std::string, std::string> avoided_why;  // worker -> how it failed
+
+  void Avoid(const std::string& worker, const absl::Status& why) {
+    avoid.insert(worker);
+    avoided_why[worker] = why.ToString();
+  }
+  // "No worker of the pool is left", with what took the workers that failed this request out
+  // of it: the cause, not only its consequence, reaches the client.
+  absl::Status NoneLeft(const char* pool) const {
+    std::string msg = absl::StrCat("no ", pool, " worker available");
+    if (!avoided_why.empty()) {
+      std::vector<std::string> parts;
+      for (const auto& [w, why] : avoided_why) parts.push_back(absl::StrCat(w, ": ", why));
+      std::sort(parts.begin(), parts.end());
+      absl::StrAppend(&msg, " (passed over after failing this request: ",
+                      absl::StrJoin(parts, "; "), ")");
+    }
+    return absl::UnavailableError(msg);
+  }
   std::unique_ptr<RouterText> text;        // set by the first migration: the router's text
 
   bool Cancelled() const { return ctx->IsCancelled(); }
@@ -422,7 +443,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   for (int round = 0;; ++round) {
     // 1. Reserve KV on a decode worker.
     absl::flat_hash_set<std::string> tried = c.avoid;
-    last = absl::UnavailableError("no decode worker available");
+    last = c.NoneLeft("decode");
     while (true) {
       d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
       if (!d) return last;
@@ -447,7 +468,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
           gs.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
         CancelOnDecode(d.address(), c.id);
       }
-      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.avoid.insert(d.worker_id());
+      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.Avoid(d.worker_id(), st);
       if (c.Cancelled()) return CancelledByClient();
       if (!c.RetryOnAnother(st)) return st;
       last = st;
@@ -456,7 +477,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
     c.decode_address = d.address();
 
     // 2. Prefill on a prefill worker, which writes the KV into the reservation.
-    last = absl::UnavailableError("no prefill worker available");
+    last = c.NoneLeft("prefill");
     if (o_.policy == Policy::kKvAware && hashes.empty()) {
       const int32_t bs = reserve.destination().block_size() > 0 ? reserve.destination().block_size()
                                                                 : o_.kv_block_size;
@@ -501,7 +522,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
                                        absl::StrCat("prefill worker ", p.worker_id(), ": "));
       if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) CancelOnPrefill(p.address(), c.id);
-      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.avoid.insert(p.worker_id());
+      if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.Avoid(p.worker_id(), st);
       if (c.Cancelled()) {
         CancelOnDecode(d.address(), c.id);
         return CancelledByClient();
@@ -557,7 +578,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   dreq.set_kv_transfer_seconds(pr.transfer_seconds());
   const absl::Status st = RelayDecode(c, d, dreq);
   if (!st.ok() && !c.attempt_relayed && !c.Cancelled()) {
-    if (st.code() == absl::StatusCode::kUnavailable) c.avoid.insert(d.worker_id());
+    if (st.code() == absl::StatusCode::kUnavailable) c.Avoid(d.worker_id(), st);
     CancelOnDecode(d.address(), c.id);
   }
   return st;
@@ -565,7 +586,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
 
 absl::Status InferenceService::RunColocated(Call& c) {
   absl::flat_hash_set<std::string> tried = c.avoid;
-  absl::Status last = absl::UnavailableError("no colocated worker available");
+  absl::Status last = c.NoneLeft("colocated");
   const std::vector<int32_t> prompt = c.WorkPrompt();
   const v1::SamplingParams sampling = c.WorkSampling();
   while (true) {
@@ -581,7 +602,7 @@ absl::Status InferenceService::RunColocated(Call& c) {
     dreq.set_prefill_locally(true);
     const absl::Status st = RelayDecode(c, w, dreq);
     if (st.ok() || c.attempt_relayed || !c.RetryOnAnother(st)) return st;
-    if (st.code() == absl::StatusCode::kUnavailable) c.avoid.insert(w.worker_id());
+    if (st.code() == absl::StatusCode::kUnavailable) c.Avoid(w.worker_id(), st);
     last = st;
   }
 }
@@ -728,7 +749,7 @@ bool InferenceService::StartMigration(Call& c, const absl::Status& st) {
   ++c.migrations;
   migrations_++;
   if (metrics_ != nullptr) metrics_->RecordMigration();
-  c.avoid.insert(c.decode_worker);
+  c.Avoid(c.decode_worker, st);
   // A worker that still answers may still hold the sequence: free its blocks now.
   if (st.code() != absl::StatusCode::kUnavailable) CancelOnDecode(c.decode_address, c.id);
   if (c.text == nullptr) {

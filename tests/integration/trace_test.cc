@@ -39,6 +39,15 @@ const std::string kTandem = std::string(TANDEM_BIN_DIR) + "/tandem";
 
 ShellResult Tandem(const std::string& args) { return RunShell(kTandem + " " + args); }
 
+// The services' logs, for a failure's message: what the router and the workers saw.
+std::string Logs(const fs::path& dir) {
+  std::string out;
+  for (const char* name : {"router", "kvstore", "prefill-0", "decode-0"}) {
+    absl::StrAppend(&out, "\n== ", name, ".log\n", Slurp(dir / absl::StrCat(name, ".log")));
+  }
+  return out;
+}
+
 struct Slice {
   int64_t begin, end;
   std::string name;
@@ -51,7 +60,8 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
   const fs::path dir = root / "cluster", traces = root / "traces";
   ShellResult up = Tandem(absl::StrCat("cluster up --model ", Quote(kModel.string()), " --dir ",
                                        Quote(dir.string()), " --trace-dir ",
-                                       Quote(traces.string()), " --ctx-size 512"));
+                                       Quote(traces.string()),
+                                       " --ctx-size 512 --router-arg=--verbose"));
   ASSERT_EQ(up.exit_code, 0) << up.err;
   const json state = json::parse(Slurp(dir / "cluster.json"));
   // Three full 16-token blocks and more: the prefill worker looks them up in the kvstore.
@@ -62,8 +72,8 @@ TEST(TraceTest, OneRequestIsFollowedAcrossRouterPrefillAndDecode) {
       Quote("Once upon a time, there was a little girl named Lily. She loved to play outside in "
             "the sun. One day, she saw a big red ball in the park.")));
   ShellResult down = Tandem(absl::StrCat("cluster down --dir ", Quote(dir.string())));
-  ASSERT_EQ(client.exit_code, 0) << client.err;
-  ASSERT_EQ(down.exit_code, 0) << down.err;
+  ASSERT_EQ(client.exit_code, 0) << client.err << Logs(dir);
+  ASSERT_EQ(down.exit_code, 0) << down.err << Logs(dir);
 
   // Each process closed its file: strict JSON, an array of events.
   std::vector<std::string> files;

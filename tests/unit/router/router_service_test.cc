@@ -630,6 +630,23 @@ TEST_F(RouterTest, PrefillRetriesDecideRetryOrFail) {
   }
 }
 
+// The only decode worker fails the request's Reserve as unreachable: the request fails, and the
+// client reads why the worker was passed over, not only that none was left.
+TEST_F(RouterTest, NoWorkerLeftSaysHowTheOnesPassedOverFailed) {
+  StartRouter();
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  decode.reserve_status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "kv pool is offline");
+  FakePrefill& prefill = Own<FakePrefill>();
+  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  const Outcome out = Run(TextRequest("hi"));
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  const std::string& m = out.status.error_message();
+  EXPECT_NE(m.find("no decode worker available"), std::string::npos) << m;
+  EXPECT_NE(m.find("d0"), std::string::npos) << m;
+  EXPECT_NE(m.find("kv pool is offline"), std::string::npos) << m;
+}
+
 TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   ASSERT_NO_FATAL_FAILURE(HoldTheOnlySlot(/*max_queue=*/0, absl::Milliseconds(10)));
   Outcome second = Run(TextRequest("hi"));

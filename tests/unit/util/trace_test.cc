@@ -198,6 +198,35 @@ TEST(TraceTest, UnwritablePathIsARefusalNotACrash) {
   EXPECT_EQ(Tracer::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A client chooses the request id, and gRPC does not check that it is UTF-8: a traced service
+// writes such an id (replaced, not thrown) and the file stays strict JSON.
+TEST(TraceTest, RequestIdThatIsNotUtf8IsWrittenNotThrown) {
+  const fs::path path = TempPath("not-utf8.json");
+  const std::string id = std::string("req-\xff\xfe-") + char(0xc3);  // bad bytes, cut sequence
+  {
+    std::unique_ptr<Tracer> t = Open(path);
+    ASSERT_NE(t, nullptr);
+    {
+      Span s(t.get(), "Decode", "rpc", id);
+      s.Flow('f');
+      s.Arg("status", "INVALID_ARGUMENT: \x80");
+    }
+    t->Async("kv_transfer", "kv", id, 10, 20);
+    EXPECT_EQ(t->events(), 5);  // process name, flow, slice, async begin and end
+  }
+  const json events = json::parse(Slurp(path), nullptr, false);
+  ASSERT_FALSE(events.is_discarded());
+  int with_id = 0;
+  for (const json& e : events) {
+    if (e.contains("args") && e["args"].contains("request_id")) {
+      EXPECT_EQ(e["args"]["request_id"], "req-\uFFFD\uFFFD-\uFFFD") << e;
+      ++with_id;
+    }
+  }
+  EXPECT_EQ(with_id, 2);  // the slice and the async begin
+  fs::remove(path);
+}
+
 TEST(TraceTest, NullTracerSpansDoNothing) {
   Span s(nullptr, "x", "y", "z");
   s.Arg("k", 1);
