@@ -1,5 +1,7 @@
 #include "services/common/sampling_convert.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace tandem::services {
 
 engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
@@ -38,6 +40,14 @@ v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
   p.set_ignore_eos(s.ignore_eos);
   p.set_speculative(s.speculative);
   return p;
+}
+
+absl::StatusOr<v1::Priority> PriorityFromName(const std::string& name) {
+  if (name == "interactive") return v1::PRIORITY_INTERACTIVE;
+  if (name == "standard") return v1::PRIORITY_STANDARD;
+  if (name == "batch") return v1::PRIORITY_BATCH;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "priority must be \"interactive\", \"standard\" or \"batch\", got \"", name, "\""));
 }
 
 }  // namespace tandem::services

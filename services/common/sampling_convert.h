@@ -6,6 +6,9 @@
 // Pure functions, thread-safe.
 #pragma once
 
+#include <string>
+
+#include "absl/status/statusor.h"
 #include "engine/sampling/sampler.h"
 #include "tandem/v1/inference.pb.h"
 
@@ -14,5 +17,9 @@ namespace tandem::services {
 engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p);
 // Sets every field explicitly, so the round trip is exact.
 v1::SamplingParams SamplingToProto(const engine::SamplingParams& s);
+
+// "interactive", "standard" or "batch" (the CLI's and the HTTP API's names of the request
+// classes); INVALID_ARGUMENT naming the three otherwise.
+absl::StatusOr<v1::Priority> PriorityFromName(const std::string& name);
 
 }  // namespace tandem::services

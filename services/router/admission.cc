@@ -27,10 +27,10 @@ Admission::Admission(int max_inflight, int max_queue)
 
 absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
                                         const std::function<bool()>& cancelled,
-                                        Priority priority) {
+                                        Priority priority, int64_t tokens) {
   absl::MutexLock lock(&mu_);
-  // Fast path: a free slot and nobody ahead in the queue.
-  if (running_ < max_inflight_ && queue_.empty()) {
+  // Fast path: a free slot, an open gate and nobody ahead in the queue.
+  if (running_ < max_inflight_ && queue_.empty() && (!gate_ || gate_())) {
     running_++;
     return Slot(this);
   }
@@ -46,19 +46,22 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
     }
     auto last = std::prev(queue_.end());
     displaced_tickets_.insert(last->second);
+    tokens_.erase(last->second);
     queue_.erase(last);
   }
   const uint64_t ticket = next_ticket_++;
   const std::pair<int, uint64_t> me{cls, ticket};
   queue_.insert(me);
+  tokens_[ticket] = tokens;
   auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return displaced_tickets_.contains(ticket) ||
-           (*queue_.begin() == me && running_ < max_inflight_);
+           (*queue_.begin() == me && running_ < max_inflight_ && (!gate_ || gate_()));
   };
+  // Wake at least this often to notice a cancelled caller, or a gate that opened unannounced.
+  const absl::Duration poll = gate_ ? absl::Milliseconds(5) : absl::Milliseconds(50);
   absl::Status failure;
   while (!settled()) {
-    // Wake at least every 50 ms to notice a cancelled caller.
-    const absl::Time wake = std::min(deadline, absl::Now() + absl::Milliseconds(50));
+    const absl::Time wake = std::min(deadline, absl::Now() + poll);
     mu_.AwaitWithDeadline(absl::Condition(&settled), wake);
     if (settled()) break;
     if (cancelled && cancelled()) {
@@ -78,9 +81,20 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
         " request was displaced from the full queue by a more urgent one"));
   }
   queue_.erase(me);
+  tokens_.erase(ticket);
   if (!failure.ok()) return failure;
   running_++;
   return Slot(this);
+}
+
+void Admission::SetGate(std::function<bool()> open) {
+  absl::MutexLock lock(&mu_);
+  gate_ = std::move(open);
+}
+
+void Admission::Kick() {
+  // Releasing the lock makes the waiters' conditions be evaluated again.
+  absl::MutexLock lock(&mu_);
 }
 
 void Admission::Release() {
@@ -104,6 +118,17 @@ int Admission::waiting_ahead(Priority priority) const {
   for (const auto& [cls, ticket] : queue_) {
     if (cls > static_cast<int>(priority)) break;
     ++n;
+  }
+  return n;
+}
+
+int64_t Admission::tokens_ahead(Priority priority) const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [cls, ticket] : queue_) {
+    if (cls > static_cast<int>(priority)) break;
+    auto it = tokens_.find(ticket);
+    if (it != tokens_.end()) n += it->second;
   }
   return n;
 }

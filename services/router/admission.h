@@ -8,6 +8,12 @@
 // turns into fast, explicit back-pressure instead of unbounded latency. A waiter gives up at its
 // deadline (DEADLINE_EXCEEDED) or when its caller is cancelled (CANCELLED).
 //
+// A gate (SetGate) can hold the queue further: the first waiter gets a free slot only while the
+// gate is open. The router opens it while the workers' predicted prefill backlog is short
+// (services/router/slo.h), so requests wait here, most urgent first, rather than in a worker's
+// FIFO queue where an interactive request would wait behind batch ones. Kick() makes waiters
+// look at the gate again.
+//
 // Threading: thread-safe. A Slot is released by its destructor on any thread.
 #pragma once
 
@@ -16,6 +22,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -47,15 +54,23 @@ class Admission {
   // max_inflight >= 1, max_queue >= 0 (checked by the caller's options validation).
   Admission(int max_inflight, int max_queue);
 
-  // Waits for a slot. `cancelled` is polled while waiting (it may be empty).
+  // Waits for a slot. `cancelled` is polled while waiting (it may be empty). `tokens` is the
+  // request's prompt length, for tokens_ahead().
   absl::StatusOr<Slot> Acquire(absl::Time deadline, const std::function<bool()>& cancelled,
-                               Priority priority = Priority::kStandard);
+                               Priority priority = Priority::kStandard, int64_t tokens = 0);
+
+  // `open` is called under the admission lock, often: it must be cheap and must not call back
+  // into this object. Set it before the first Acquire.
+  void SetGate(std::function<bool()> open);
+  void Kick();
 
   int running() const;
   int waiting() const;
   // Waiting requests of `priority` and more urgent classes: those a new request of that class
   // would wait behind.
   int waiting_ahead(Priority priority) const;
+  // Their prompt tokens.
+  int64_t tokens_ahead(Priority priority) const;
   uint64_t rejected() const;   // refused at arrival and displaced
   uint64_t displaced() const;  // of those, waiters pushed out by a more urgent arrival
 
@@ -68,8 +83,10 @@ class Admission {
   mutable absl::Mutex mu_;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;  // handed to each waiter in arrival order
-  // Waiters in the order they are served: (class, ticket).
+  std::function<bool()> gate_ ABSL_GUARDED_BY(mu_);
+  // Waiters in the order they are served: (class, ticket), with their prompt tokens.
   std::set<std::pair<int, uint64_t>> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, int64_t> tokens_ ABSL_GUARDED_BY(mu_);
   // Waiters displaced by a more urgent arrival, until they notice.
   absl::flat_hash_set<uint64_t> displaced_tickets_ ABSL_GUARDED_BY(mu_);
   uint64_t rejected_ ABSL_GUARDED_BY(mu_) = 0;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "services/common/sampling_convert.h"
 
 namespace tandem::router {
 namespace {
@@ -440,17 +441,17 @@ std::optional<HttpError> ParseOpenAiRequest(ApiKind kind, std::string_view body,
   f.String("priority", &priority);
   if (f.error) return f.error;
   if (priority) {
-    if (*priority == "interactive") {
-      g.set_priority(v1::PRIORITY_INTERACTIVE);
-    } else if (*priority == "standard") {
-      g.set_priority(v1::PRIORITY_STANDARD);
-    } else if (*priority == "batch") {
-      g.set_priority(v1::PRIORITY_BATCH);
-    } else {
-      return Bad("priority", absl::StrCat("priority must be \"interactive\", \"standard\" or "
-                                          "\"batch\", got \"", *priority, "\""));
-    }
+    absl::StatusOr<v1::Priority> p = services::PriorityFromName(*priority);
+    if (!p.ok()) return Bad("priority", std::string(p.status().message()));
+    g.set_priority(*p);
   }
+  // Extension fields: the request's TTFT and TPOT targets (services/router/slo.h).
+  std::optional<int64_t> ttft_target, tpot_target;
+  f.Int("ttft_target_ms", 0, 3'600'000, &ttft_target);
+  f.Int("tpot_target_ms", 0, 3'600'000, &tpot_target);
+  if (f.error) return f.error;
+  g.set_ttft_target_ms(static_cast<uint32_t>(ttft_target.value_or(0)));
+  g.set_tpot_target_ms(static_cast<uint32_t>(tpot_target.value_or(0)));
   if (kind == ApiKind::kCompletion) {
     if (auto e = ParsePrompt(j, model, &g)) return e;
     g.mutable_sampling()->set_max_tokens(static_cast<int32_t>(max_tokens.value_or(16)));

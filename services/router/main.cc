@@ -62,6 +62,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-inflight", o.max_inflight, "Requests worked on at once");
   app.add_option("--max-queue", o.max_queue,
                  "Requests waiting beyond that (more: RESOURCE_EXHAUSTED)");
+  int64_t max_prefill_backlog_ms = 0;
+  app.add_option("--max-prefill-backlog-ms", max_prefill_backlog_ms,
+                 "Hold requests in the router's priority queue while every prefilling worker "
+                 "has more than this much predicted work (0: never hold)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--grace-ms", grace_ms, "On SIGTERM, time in-flight requests get to finish");
   app.add_option("--cpus", cpus, "Pin to these CPUs, e.g. 0,2-3");
   app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
@@ -106,6 +111,7 @@ int main(int argc, char** argv) {
   o.reserve_lease = absl::Milliseconds(reserve_lease_ms);
   o.default_timeout = absl::Milliseconds(timeout_ms);
   o.retry_budget = absl::Milliseconds(retry_ms);
+  o.max_prefill_backlog = absl::Milliseconds(max_prefill_backlog_ms);
   if (slo_ttft_ms < 0 || slo_itl_ms < 0 || window_s <= 0 || o.metrics_port < 0 ||
       o.metrics_port > 65535) {
     return Fail(absl::InvalidArgumentError(

@@ -29,6 +29,7 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
                              const AutoscaleOptions& autoscale)
     : metrics_(metrics),
       serving_(metrics->Serving(model_name, "router")),
+      model_name_(model_name),
       autoscale_(autoscale),
       started_(absl::Now()),
       ttft_(autoscale.window),
@@ -54,6 +55,19 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
                        .Register(metrics_->registry());
   recommended_prefill_ = &replicas.Add({{"model_name", model_name}, {"role", "prefill"}});
   recommended_decode_ = &replicas.Add({{"model_name", model_name}, {"role", "decode"}});
+  slo_rejected_ = &prometheus::BuildCounter()
+                       .Name(absl::StrCat(services::kMetricPrefix, "slo_rejected_total"))
+                       .Help("Requests refused at arrival because their predicted time to first "
+                             "token was past their target.")
+                       .Register(metrics_->registry());
+  for (const char* p : {"interactive", "standard", "batch"}) {
+    slo_rejected_->Add({{"model_name", model_name}, {"role", "router"}, {"priority", p}});
+  }
+}
+
+void RouterMetrics::RecordSloRejected(const std::string& priority) {
+  slo_rejected_->Add({{"model_name", model_name_}, {"role", "router"}, {"priority", priority}})
+      .Increment();
 }
 
 void RouterMetrics::RecordAdmitted(absl::Duration queue) {

@@ -4,7 +4,9 @@
 //     stage: queue, prefill_compute, kv_transfer, prefix_onboarding_device,
 //     prefix_onboarding_host, prefix_onboarding_ssd, first_decode_step;
 //   tandem_recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
-//     rule over the last AutoscaleOptions::window of observations.
+//     rule over the last AutoscaleOptions::window of observations;
+//   tandem_slo_rejected_total{model_name,role="router",priority}  counter: requests refused at
+//     arrival because their predicted TTFT was past their target (slo.h), by class.
 // Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
 // gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
 // outcome; queue time arrival -> admission; running/waiting are admission's counts;
@@ -52,6 +54,9 @@ class RouterMetrics {
   void RecordInterToken(absl::Time at, absl::Duration gap);
   // A broken decode stream was moved to another worker (tandem_migrations_total).
   void RecordMigration();
+  // A request of class `priority` ("interactive", "standard", "batch") was refused by its
+  // predicted TTFT.
+  void RecordSloRejected(const std::string& priority);
   // The call ended. finished_reason: one of services::kFinishReasons.
   void RecordEnd(absl::Duration e2e, const std::string& finished_reason, int prompt_tokens,
                  int completion_tokens);
@@ -70,6 +75,8 @@ class RouterMetrics {
   std::array<prometheus::Histogram*, kTtftStages.size()> stages_{};
   prometheus::Gauge* recommended_prefill_ = nullptr;
   prometheus::Gauge* recommended_decode_ = nullptr;
+  prometheus::Family<prometheus::Counter>* slo_rejected_ = nullptr;
+  const std::string model_name_;
   const AutoscaleOptions autoscale_;
   const absl::Time started_;
 

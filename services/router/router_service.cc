@@ -1,6 +1,7 @@
 #include "services/router/router_service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <thread>
 
@@ -141,6 +142,9 @@ absl::Status ValidateRouterOptions(const RouterOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_inflight must be >= 1, got ", o.max_inflight));
   }
+  if (o.max_prefill_backlog < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("max_prefill_backlog_ms must be >= 0");
+  }
   if (o.max_queue < 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 0, got ", o.max_queue));
   }
@@ -187,6 +191,8 @@ struct InferenceService::Call {
   int prefill_failures = 0;
   bool retries_exhausted = false;
   std::string decode_address;              // of c.decode_worker
+  TtftPrediction predicted;  // at arrival (slo.h)
+  bool in_transit = false;   // admitted, prefill not yet started (InferenceService::Arrived)
   absl::flat_hash_set<std::string> avoid;  // workers that failed this request: not picked again
   absl::flat_hash_map<std::string, std::string> avoided_why;  // worker -> how it failed
 
@@ -250,7 +256,11 @@ InferenceService::InferenceService(const ModelHolder* models, WorkerRegistry* re
       o_(o),
       id_salt_(std::random_device{}()),
       tenant_salt_(TenantSalt("", o.tenant)),
-      prefix_index_(o.prefix_index) {}
+      prefix_index_(o.prefix_index) {
+  if (o_.max_prefill_backlog > absl::ZeroDuration()) {
+    admission_->SetGate([this] { return GateOpen(); });
+  }
+}
 
 absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const {
   if (model() == nullptr) return ModelHolder::NotYetKnown();
@@ -276,7 +286,39 @@ absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedR
           "priority: unknown value ", static_cast<int>(req.priority()),
           " (PRIORITY_INTERACTIVE, PRIORITY_STANDARD or PRIORITY_BATCH)"));
   }
+  out->ttft_target = absl::Milliseconds(req.ttft_target_ms());
+  out->tpot_target = absl::Milliseconds(req.tpot_target_ms());
   return absl::OkStatus();
+}
+
+Pool InferenceService::PrefillPool() const {
+  return registry_->Plan() == PlanKind::kColocated ? Pool::kColocated : Pool::kPrefill;
+}
+
+bool InferenceService::GateOpen() const {
+  const double bound_s = absl::ToDoubleSeconds(o_.max_prefill_backlog);
+  const std::vector<WorkerRegistry::Load> loads = registry_->Loads(PrefillPool());
+  // No worker at all: let the request through to fail (or wait) in routing, as without a gate.
+  if (loads.empty()) return true;
+  int under = 0;
+  for (const WorkerRegistry::Load& l : loads) {
+    under += LeastBacklogSeconds({l}) < bound_s ? 1 : 0;  // unfitted: 0 s, so under
+  }
+  // Every worker over the bound: closed until one's backlog drains (it always does: a
+  // backlog ends when its prefill returns).
+  return in_transit_.load() < under;
+}
+
+void InferenceService::Arrived(Call& c) {
+  if (!c.in_transit) return;
+  c.in_transit = false;
+  in_transit_--;
+  admission_->Kick();
+}
+
+TtftPrediction InferenceService::PredictTtft(Priority priority, int64_t tokens) const {
+  return router::PredictTtft(registry_->Loads(PrefillPool()), admission_->tokens_ahead(priority),
+                             admission_->waiting_ahead(priority), tokens, slo_.overhead_s());
 }
 
 std::string InferenceService::NewRequestId() {
@@ -331,10 +373,27 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   }
   trace::Span span(o_.tracer, "Generate", "rpc", c.id);
   absl::Status result;
-  {
+  // SLO admission (slo.h): a request that would miss its TTFT target is refused now, while the
+  // client can still go elsewhere or come back, rather than after it has waited to miss.
+  c.predicted = PredictTtft(c.req.priority, static_cast<int64_t>(c.req.prompt.size()));
+  const double target_s = absl::ToDoubleSeconds(c.req.ttft_target);
+  if (c.predicted.known) span.Arg("predicted_ttft_ms", c.predicted.seconds * 1e3);
+  if (target_s > 0 && c.predicted.known && c.predicted.seconds > target_s) {
+    slo_rejected_++;
+    if (metrics_ != nullptr) metrics_->RecordSloRejected(PriorityName(c.req.priority));
+    // Come back when the backlog ahead should have drained by the shortfall.
+    const int retry_s = std::max(1, static_cast<int>(std::ceil(c.predicted.seconds - target_s)));
+    ctx->AddTrailingMetadata("retry-after", std::to_string(retry_s));
+    result = absl::ResourceExhaustedError(absl::StrFormat(
+        "predicted time to first token %.0f ms is past the request's target %.0f ms (%.0f ms of "
+        "prefill work ahead of it, %.0f ms its own)",
+        c.predicted.seconds * 1e3, target_s * 1e3, c.predicted.backlog_s * 1e3,
+        c.predicted.own_s * 1e3));
+  } else {
     const int64_t queued_from = trace::Tracer::NowMicros();
-    absl::StatusOr<Slot> slot = admission_->Acquire(
-        c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority);
+    absl::StatusOr<Slot> slot =
+        admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority,
+                            static_cast<int64_t>(c.req.prompt.size()));
     if (o_.tracer != nullptr) {
       o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
                           {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}});
@@ -347,7 +406,10 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     } else {
       c.admitted = absl::Now();
       if (metrics_ != nullptr) metrics_->RecordAdmitted(c.admitted - c.arrival);
+      c.in_transit = true;
+      in_transit_++;
       result = Route(c);
+      Arrived(c);
     }
   }
   ReleaseId(c.id);
@@ -509,7 +571,11 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       trace::Span call(o_.tracer, "call Prefill", "rpc", c.id);
       call.Flow('s');
       call.Arg("worker", p.worker_id());
+      p.StartBacklog(static_cast<int64_t>(prompt.size()));
+      Arrived(c);
       const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
+      p.EndBacklog();
+      admission_->Kick();  // the backlog shrank: a held request may go
       call.Arg("code", static_cast<int>(gs.error_code()));
       if (gs.ok()) {
         c.prefill_worker = p.worker_id();
@@ -595,6 +661,8 @@ absl::Status InferenceService::RunColocated(Call& c) {
     tried.insert(w.worker_id());
     c.prefill_worker = c.decode_worker = w.worker_id();
     c.decode_address = w.address();
+    w.StartBacklog(static_cast<int64_t>(prompt.size()));  // until its first token
+    Arrived(c);
     v1::DecodeRequest dreq;
     dreq.set_request_id(c.id);
     dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
@@ -607,7 +675,7 @@ absl::Status InferenceService::RunColocated(Call& c) {
   }
 }
 
-absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
+absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
                                            const v1::DecodeRequest& dreq) {
   auto cc = Child(*c.ctx, c.deadline);
   auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
@@ -656,6 +724,12 @@ absl::Status InferenceService::RelayDecode(Call& c, const Assignment& d,
     if (!c.relayed_any) {
       const absl::Time now = absl::Now();
       c.first_token_at = now;
+      d.EndBacklog();  // a colocated worker's prefill is done
+      admission_->Kick();
+      if (c.predicted.known) {
+        slo_.Observe(c.predicted.backlog_s + c.predicted.own_s,
+                     absl::ToDoubleSeconds(now - c.arrival));
+      }
       msg.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
       v1::TtftBreakdown* t = msg.mutable_ttft();
       // The worker knows its own parts best; the router fills in what it alone saw.

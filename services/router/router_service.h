@@ -61,6 +61,7 @@
 #include "services/router/prefix_index.h"
 #include "services/router/model_holder.h"
 #include "services/router/router_model.h"
+#include "services/router/slo.h"
 #include "services/router/worker_channels.h"
 #include "services/router/worker_registry.h"
 #include "tandem/v1/inference.grpc.pb.h"
@@ -81,6 +82,10 @@ struct RouterOptions {
   absl::Duration retry_budget = absl::Seconds(30);     // waiting for room in full pools
   int max_inflight = 256;
   int max_queue = 1024;
+  // SLO admission (slo.h): while the least-loaded prefilling worker's predicted backlog is
+  // longer than this, requests wait in the router's priority queue instead of the worker's
+  // FIFO one. Zero: requests go to the workers as soon as they hold a slot.
+  absl::Duration max_prefill_backlog = absl::ZeroDuration();
   int kv_block_size = 16;  // the workers' block size, for load accounting only
   Policy policy = Policy::kLeastLoad;
   bool verbose = false;  // a log line per request
@@ -118,6 +123,8 @@ struct PreparedRequest {
   v1::SamplingParams sampling;  // as received (workers apply the same defaults)
   int64_t kv_blocks = 0;        // blocks the request will hold on its decode worker
   Priority priority = Priority::kStandard;
+  absl::Duration ttft_target = absl::ZeroDuration();  // zero: none
+  absl::Duration tpot_target = absl::ZeroDuration();
 };
 
 class InferenceService final : public v1::Inference::Service {
@@ -148,6 +155,10 @@ class InferenceService final : public v1::Inference::Service {
   void StartDraining() { draining_ = true; }
   int active() const { return active_.load(); }
   const PrefixIndex& prefix_index() const { return prefix_index_; }
+  // Requests refused because their predicted TTFT was past their target (slo.h).
+  uint64_t slo_rejected() const { return slo_rejected_.load(); }
+  // The TTFT prediction for a request of `tokens` prompt tokens in class `priority`, now.
+  TtftPrediction PredictTtft(Priority priority, int64_t tokens) const;
 
  private:
   struct Call;       // one Generate in progress
@@ -155,7 +166,14 @@ class InferenceService final : public v1::Inference::Service {
   absl::Status Route(Call& c);
   absl::Status RunDisaggregated(Call& c);
   absl::Status RunColocated(Call& c);
-  absl::Status RelayDecode(Call& c, const Assignment& d, const v1::DecodeRequest& dreq);
+  // The pool whose workers prefill under the current plan.
+  Pool PrefillPool() const;
+  // The admission gate with RouterOptions::max_prefill_backlog (slo.h): open while fewer
+  // admitted requests are on their way to a worker than there are workers under the bound.
+  bool GateOpen() const;
+  // The request's prefill started on a worker, or it ended: it no longer counts as on its way.
+  void Arrived(Call& c);
+  absl::Status RelayDecode(Call& c, Assignment& d, const v1::DecodeRequest& dreq);
   // After a broken stream: whether the request may move to another worker, and if so the
   // bookkeeping of the move (counted, the old worker avoided, the text taken over).
   bool StartMigration(Call& c, const absl::Status& st);
@@ -181,6 +199,9 @@ class InferenceService final : public v1::Inference::Service {
   std::atomic<uint64_t> ok_{0};
   std::atomic<uint64_t> failed_{0};
   std::atomic<uint64_t> migrations_{0};
+  std::atomic<uint64_t> slo_rejected_{0};
+  std::atomic<int> in_transit_{0};  // admitted, prefill not started on a worker
+  SloTracker slo_;
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
   absl::Mutex ids_mu_;

@@ -65,15 +65,31 @@ Assignment& Assignment::operator=(Assignment&& o) noexcept {
     address_ = std::move(o.address_);
     role_ = o.role_;
     generation_ = o.generation_;
+    backlog_ = o.backlog_;
     o.registry_ = nullptr;
+    o.backlog_ = -1;
   }
   return *this;
 }
 
 void Assignment::Release() {
   if (registry_ == nullptr) return;
+  EndBacklog();
   registry_->Unassign(worker_id_, generation_);
   registry_ = nullptr;
+}
+
+void Assignment::StartBacklog(int64_t tokens) {
+  if (registry_ == nullptr) return;
+  EndBacklog();
+  backlog_ = std::max<int64_t>(0, tokens);
+  registry_->AddBacklog(worker_id_, generation_, backlog_, 1);
+}
+
+void Assignment::EndBacklog() {
+  if (registry_ == nullptr || backlog_ < 0) return;
+  registry_->AddBacklog(worker_id_, generation_, -backlog_, -1);
+  backlog_ = -1;
 }
 
 WorkerRegistry::WorkerRegistry(RegistryOptions o) : o_(std::move(o)) {}
@@ -244,6 +260,30 @@ void WorkerRegistry::Unassign(const std::string& id, uint64_t generation) {
   auto it = workers_.find(id);
   if (it == workers_.end() || it->second.generation != generation) return;
   if (it->second.inflight > 0) it->second.inflight--;
+}
+
+void WorkerRegistry::AddBacklog(const std::string& id, uint64_t generation, int64_t tokens,
+                                int32_t requests) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(id);
+  if (it == workers_.end() || it->second.generation != generation) return;
+  it->second.backlog_tokens = std::max<int64_t>(0, it->second.backlog_tokens + tokens);
+  it->second.backlog_requests = std::max(0, it->second.backlog_requests + requests);
+}
+
+std::vector<WorkerRegistry::Load> WorkerRegistry::Loads(Pool pool) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const absl::Time now = Now();
+  std::vector<Load> out;
+  for (const auto& [id, w] : workers_) {
+    if (!Eligible(w, pool, now)) continue;
+    Load& l = out.emplace_back();
+    l.worker_id = id;
+    l.backlog_tokens = w.backlog_tokens;
+    l.backlog_requests = w.backlog_requests;
+    if (w.have_stats) l.cost = w.stats.step_cost();
+  }
+  return out;
 }
 
 std::vector<v1::WorkerInfo> WorkerRegistry::List() const {

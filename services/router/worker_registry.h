@@ -80,9 +80,16 @@ class Assignment {
   const std::string& address() const { return address_; }
   v1::WorkerRole role() const { return role_; }
 
+  // Prefill work on the worker that this request has started and not finished: `tokens` prompt
+  // tokens (WorkerRegistry::Loads' backlog, for the TTFT prediction). EndBacklog (or Release)
+  // takes it off again; a second StartBacklog replaces the first.
+  void StartBacklog(int64_t tokens);
+  void EndBacklog();
+
  private:
   friend class WorkerRegistry;
   WorkerRegistry* registry_ = nullptr;
+  int64_t backlog_ = -1;  // tokens counted on the worker; -1: none
   std::string worker_id_;
   std::string address_;
   v1::WorkerRole role_ = v1::WORKER_ROLE_UNSPECIFIED;
@@ -118,6 +125,16 @@ class WorkerRegistry {
                         const absl::flat_hash_set<std::string>& exclude,
                         const std::function<double(const std::string&, double)>& score);
 
+  // The eligible workers of `pool` with the prefill work the router has in flight on each and
+  // each one's fitted step cost (zeros until its first heartbeat with stats), sorted by id.
+  struct Load {
+    std::string worker_id;
+    int64_t backlog_tokens = 0;
+    int32_t backlog_requests = 0;
+    v1::StepCost cost;
+  };
+  std::vector<Load> Loads(Pool pool) const;
+
   std::vector<v1::WorkerInfo> List() const;  // sorted by id
   size_t size() const;
   const RegistryOptions& options() const { return o_; }
@@ -136,10 +153,13 @@ class WorkerRegistry {
     int64_t pending_blocks = 0;  // picked since the last heartbeat's stats
     uint64_t routed = 0;
     uint64_t last_pick = 0;  // pick sequence number; 0 = never
+    int64_t backlog_tokens = 0;  // Assignment::StartBacklog
+    int32_t backlog_requests = 0;
   };
   absl::Time Now() const { return o_.clock ? o_.clock() : absl::Now(); }
   bool Eligible(const Worker& w, Pool pool, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Unassign(const std::string& id, uint64_t generation);
+  void AddBacklog(const std::string& id, uint64_t generation, int64_t tokens, int32_t requests);
   Assignment AssignLocked(Worker* w, bool kv_pool, int64_t kv_blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

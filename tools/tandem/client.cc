@@ -58,16 +58,13 @@ absl::Status RunClient(const ClientOptions& o) {
   req.set_text(o.prompt);
   req.set_model(o.model);
   req.set_request_id(o.request_id);
-  if (o.priority == "interactive") {
-    req.set_priority(v1::PRIORITY_INTERACTIVE);
-  } else if (o.priority == "standard") {
-    req.set_priority(v1::PRIORITY_STANDARD);
-  } else if (o.priority == "batch") {
-    req.set_priority(v1::PRIORITY_BATCH);
-  } else if (!o.priority.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--priority must be interactive, standard or batch, got ", o.priority));
+  if (!o.priority.empty()) {
+    absl::StatusOr<v1::Priority> p = services::PriorityFromName(o.priority);
+    if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("--", p.status().message()));
+    req.set_priority(*p);
   }
+  req.set_ttft_target_ms(o.ttft_target_ms);
+  req.set_tpot_target_ms(o.tpot_target_ms);
   *req.mutable_sampling() = services::SamplingToProto(o.sampling);
   grpc::ClientContext cc;
   if (!o.api_key.empty()) cc.AddMetadata("authorization", "Bearer " + o.api_key);

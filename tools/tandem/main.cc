@@ -243,6 +243,11 @@ int main(int argc, char** argv) {
   c->add_option("--request-id", cli.request_id);
   c->add_option("--priority", cli.priority,
                  "Admission class at the router: interactive, standard or batch");
+  c->add_option("--ttft-target-ms", cli.ttft_target_ms,
+                "Time-to-first-token target: the router refuses the request at once when it "
+                "predicts a miss (0: none)");
+  c->add_option("--tpot-target-ms", cli.tpot_target_ms,
+                "Time-per-output-token target the decode batch must keep (0: none)");
   c->add_option("--max-tokens", cli.sampling.max_tokens, "Tokens to generate");
   c->add_option("--temperature", cli.sampling.temperature, "0 = greedy");
   c->add_option("--seed", cli.sampling.seed, "Sampling seed");

@@ -158,5 +158,47 @@ TEST(AdmissionTest, FullQueueDisplacesTheNewestLessUrgentWaiter) {
   EXPECT_TRUE(old_batch->ok());
 }
 
+// The gate holds the queue with slots free; when it opens and waiters are kicked, the most
+// urgent waiter goes first. tokens_ahead sums the prompts a class waits behind.
+TEST(AdmissionTest, ClosedGateHoldsFreeSlotsAndTheMostUrgentGoesWhenItOpens) {
+  Admission adm(/*max_inflight=*/8, /*max_queue=*/8);
+  std::atomic<bool> open{false};
+  adm.SetGate([&] { return open.load(); });
+  absl::Mutex mu;
+  std::vector<Priority> served;
+  std::vector<std::thread> waiters;
+  const std::vector<std::pair<Priority, int64_t>> arrivals = {
+      {Priority::kBatch, 100}, {Priority::kInteractive, 7}, {Priority::kStandard, 30}};
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    waiters.emplace_back([&, i] {
+      absl::StatusOr<Slot> s = adm.Acquire(Soon(), nullptr, arrivals[i].first, arrivals[i].second);
+      EXPECT_TRUE(s.ok());
+      absl::MutexLock l(&mu);
+      served.push_back(arrivals[i].first);
+      open = false;  // one at a time: each admission closes the gate again
+    });
+    while (adm.waiting() != static_cast<int>(i) + 1) absl::SleepFor(absl::Milliseconds(1));
+  }
+  absl::SleepFor(absl::Milliseconds(30));  // polls pass; the gate is shut
+  EXPECT_EQ(adm.waiting(), 3);
+  EXPECT_EQ(adm.running(), 0);
+  EXPECT_EQ(adm.tokens_ahead(Priority::kInteractive), 7);
+  EXPECT_EQ(adm.tokens_ahead(Priority::kStandard), 37);
+  EXPECT_EQ(adm.tokens_ahead(Priority::kBatch), 137);
+  for (int n = 1; n <= 3; ++n) {
+    open = true;
+    adm.Kick();
+    while (adm.waiting() != 3 - n) absl::SleepFor(absl::Milliseconds(1));
+  }
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(served, (std::vector<Priority>{Priority::kInteractive, Priority::kStandard,
+                                           Priority::kBatch}));
+  EXPECT_EQ(adm.tokens_ahead(Priority::kBatch), 0);
+  // A closed gate also stops the fast path.
+  open = false;
+  EXPECT_EQ(adm.Acquire(absl::Now() + absl::Milliseconds(20), nullptr).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace tandem::router

@@ -34,6 +34,7 @@ struct Recorded {
   std::vector<v1::PrefillRequest> prefills;
   std::vector<v1::DecodeRequest> decodes;
   std::vector<std::string> cancels;
+  std::vector<std::string> prefill_started;  // request ids, as prefills begin
   std::vector<int64_t> remaining_ms;  // per call, in arrival order
   int streams_cut = 0;                // Decode streams that saw their call cancelled
 };
@@ -107,10 +108,16 @@ class FakeDecode final : public v1::DecodeWorker::Service {
 class FakePrefill final : public v1::PrefillWorker::Service {
  public:
   grpc::Status status = grpc::Status::OK;
+  absl::Duration delay;  // each prefill takes this long
   Recorded rec;
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
                        v1::PrefillResponse* resp) override {
+    {
+      absl::MutexLock lock(&rec.mu);
+      rec.prefill_started.push_back(req->request_id());
+    }
+    absl::SleepFor(delay);
     absl::MutexLock lock(&rec.mu);
     rec.prefills.push_back(*req);
     rec.remaining_ms.push_back(RemainingMs(ctx));
@@ -645,6 +652,70 @@ TEST_F(RouterTest, NoWorkerLeftSaysHowTheOnesPassedOverFailed) {
   EXPECT_NE(m.find("no decode worker available"), std::string::npos) << m;
   EXPECT_NE(m.find("d0"), std::string::npos) << m;
   EXPECT_NE(m.find("kv pool is offline"), std::string::npos) << m;
+}
+
+// SLO admission against a prefill worker whose fitted cost makes one prefill 100+ ms and that
+// really takes 300 ms: a request whose TTFT target the backlog would break is refused at once
+// with retry-after and never reaches a worker; with a 50 ms backlog bound the router holds the
+// others in its queue while the worker is busy and sends the interactive one before the batch
+// one that came first.
+TEST_F(RouterTest, SloAdmissionRefusesPredictedMissesAndSendsTheUrgentFirst) {
+  RouterOptions o;
+  o.max_prefill_backlog = absl::Milliseconds(50);
+  StartRouter(o);
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
+  prefill.delay = absl::Milliseconds(300);
+  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id("p0");
+  v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
+  cost.set_intercept_s(0.1);
+  cost.set_prefill_token_s(0.001);
+  cost.set_steps(100);
+  v1::HeartbeatResponse hr;
+  grpc::ClientContext hc;
+  ASSERT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
+  auto started = [&] {
+    absl::MutexLock l(&prefill.rec.mu);
+    return prefill.rec.prefill_started;
+  };
+  auto request = [](const std::string& id, v1::Priority p, uint32_t ttft_ms) {
+    v1::GenerateRequest r = TextRequest("hi", 2);
+    r.set_request_id(id);
+    r.set_priority(p);
+    r.set_ttft_target_ms(ttft_ms);
+    return r;
+  };
+  // Nothing ahead: predicted about 100 ms, within 2 s.
+  Outcome first_out;
+  std::thread first([&] { first_out = Run(request("first", v1::PRIORITY_STANDARD, 2000)); });
+  while (started().empty()) absl::SleepFor(absl::Milliseconds(1));
+  // Behind it: 100 ms of backlog and 100 ms of its own, past a 150 ms target.
+  const absl::Time t0 = absl::Now();
+  Outcome refused = Run(request("refused", v1::PRIORITY_INTERACTIVE, 150));
+  EXPECT_LT(absl::Now() - t0, absl::Milliseconds(150)) << "refused at once, not after waiting";
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.status.error_message().find("predicted time to first token"),
+            std::string::npos)
+      << refused.status.error_message();
+  ASSERT_EQ(refused.trailers.count("retry-after"), 1u);
+  EXPECT_EQ(router_->inference().slo_rejected(), 1u);
+  // The backlog is over the bound: a batch request and then an interactive one wait here.
+  Outcome batch_out, urgent_out;
+  std::thread batch([&] { batch_out = Run(request("batch", v1::PRIORITY_BATCH, 0)); });
+  while (router_->admission().waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
+  std::thread urgent([&] { urgent_out = Run(request("urgent", v1::PRIORITY_INTERACTIVE, 5000)); });
+  while (router_->admission().waiting() != 2) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(started().size(), 1u);
+  first.join();
+  batch.join();
+  urgent.join();
+  for (const Outcome* out : {&first_out, &batch_out, &urgent_out}) {
+    EXPECT_TRUE(out->status.ok()) << out->status.error_message();
+  }
+  EXPECT_EQ(started(), (std::vector<std::string>{"first", "urgent", "batch"}));
 }
 
 TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {

@@ -231,6 +231,48 @@ TEST_F(RegistryTest, ReRegistrationStartsFreshCounts) {
   EXPECT_EQ(r->List()[0].router_inflight(), 0);
 }
 
+// The prefill backlog the TTFT prediction reads: counted from StartBacklog to EndBacklog (or
+// the assignment's end, or a move), on the registration it was started on, with the worker's
+// fitted cost from its last heartbeat.
+TEST_F(RegistryTest, BacklogCountsPrefillsInFlightWithTheWorkersCost) {
+  auto r = Make();
+  ASSERT_TRUE(r->Register(Reg("p0", v1::WORKER_ROLE_PREFILL)).ok());
+  ASSERT_TRUE(r->Register(Reg("p1", v1::WORKER_ROLE_PREFILL)).ok());
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  v1::HeartbeatRequest hb = Beat("p0", 100);
+  hb.mutable_stats()->mutable_step_cost()->set_prefill_token_s(2e-5);
+  hb.mutable_stats()->mutable_step_cost()->set_intercept_s(3e-4);
+  ASSERT_TRUE(r->Heartbeat(hb));
+  Assignment a = r->Pick(Pool::kPrefill, 0, {"p1"});
+  Assignment b = r->Pick(Pool::kPrefill, 0, {"p1"});
+  ASSERT_EQ(a.worker_id(), "p0");
+  a.StartBacklog(100);
+  b.StartBacklog(40);
+  b.StartBacklog(50);  // replaces its first
+  std::vector<WorkerRegistry::Load> loads = r->Loads(Pool::kPrefill);
+  ASSERT_EQ(loads.size(), 2u);  // prefill workers only
+  EXPECT_EQ(loads[0].worker_id, "p0");
+  EXPECT_EQ(loads[0].backlog_tokens, 150);
+  EXPECT_EQ(loads[0].backlog_requests, 2);
+  EXPECT_DOUBLE_EQ(loads[0].cost.prefill_token_s(), 2e-5);
+  EXPECT_EQ(loads[1].backlog_tokens, 0);
+  a.EndBacklog();
+  a.EndBacklog();  // once only
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_tokens, 50);
+  Assignment moved = std::move(b);
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_tokens, 50);
+  moved.Release();
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_tokens, 0);
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_requests, 0);
+  // A restarted worker starts from nothing; the old registration's end does not touch it.
+  Assignment old = r->Pick(Pool::kPrefill, 0, {"p1"});
+  old.StartBacklog(70);
+  ASSERT_TRUE(r->Register(Reg("p0", v1::WORKER_ROLE_PREFILL)).ok());
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_tokens, 0);
+  old.Release();
+  EXPECT_EQ(r->Loads(Pool::kPrefill)[0].backlog_tokens, 0);
+}
+
 TEST_F(RegistryTest, ConcurrentPicksAndReleasesBalanceOut) {
   auto r = Make();
   for (const char* id : {"d0", "d1", "d2", "d3"}) {

@@ -1,0 +1,78 @@
+// The router's TTFT prediction (services/router/slo.h): the pool's backlog and the queue ahead
+// shared over the fitted workers, the request's own prefill, and the overhead learned from
+// measured TTFTs; unfitted workers are left out.
+#include "services/router/slo.h"
+
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace tandem::router {
+namespace {
+
+WorkerRegistry::Load Worker(int64_t tokens, int32_t requests, double intercept, double per_token,
+                            uint64_t steps = 100) {
+  WorkerRegistry::Load l;
+  l.worker_id = "w";
+  l.backlog_tokens = tokens;
+  l.backlog_requests = requests;
+  l.cost.set_intercept_s(intercept);
+  l.cost.set_prefill_token_s(per_token);
+  l.cost.set_steps(steps);
+  return l;
+}
+
+TEST(SloTest, OneWorkerWaitsForItsWholeBacklogThenItsOwnPrefill) {
+  // 3 requests of 1000 tokens in flight, 2 (500 tokens) queued ahead, own 200 tokens.
+  const TtftPrediction p =
+      PredictTtft({Worker(1000, 3, 1e-3, 1e-5)}, /*ahead_tokens=*/500, /*ahead_requests=*/2,
+                  /*tokens=*/200, /*overhead_s=*/0.004);
+  ASSERT_TRUE(p.known);
+  EXPECT_NEAR(p.backlog_s, 3e-3 + 1000e-5 + 2e-3 + 500e-5, 1e-12);
+  EXPECT_NEAR(p.own_s, 1e-3 + 200e-5, 1e-12);
+  EXPECT_NEAR(p.seconds, p.backlog_s + p.own_s + 0.004, 1e-12);
+}
+
+TEST(SloTest, PoolSharesTheBacklogAndUnfittedWorkersDoNotCount) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.5, 2.0);
+  for (int trial = 0; trial < 50; ++trial) {
+    const double i0 = 1e-3 * u(rng), t0 = 1e-5 * u(rng), i1 = 1e-3 * u(rng), t1 = 1e-5 * u(rng);
+    const int64_t b0 = static_cast<int64_t>(1000 * u(rng)), b1 = static_cast<int64_t>(300 * u(rng));
+    const std::vector<WorkerRegistry::Load> pool = {
+        Worker(b0, 2, i0, t0), Worker(b1, 1, i1, t1),
+        Worker(99999, 50, 1, 1, /*steps=*/kMinFittedSteps - 1)};  // not fitted yet: ignored
+    const TtftPrediction p = PredictTtft(pool, 400, 1, 100, 0);
+    ASSERT_TRUE(p.known);
+    // In long double, from the definition: the work ahead over two workers at the mean cost.
+    const long double mi = (static_cast<long double>(i0) + i1) / 2, mt = (static_cast<long double>(t0) + t1) / 2;
+    const long double work = 2 * static_cast<long double>(i0) + b0 * static_cast<long double>(t0) + i1 +
+                             b1 * static_cast<long double>(t1) + mi + 400 * mt;
+    EXPECT_NEAR(p.backlog_s, static_cast<double>(work / 2), 1e-12);
+    EXPECT_NEAR(p.own_s, static_cast<double>(mi + 100 * mt), 1e-12);
+  }
+  EXPECT_FALSE(PredictTtft({Worker(10, 1, 1e-3, 1e-5, 0)}, 0, 0, 10, 0).known);
+  EXPECT_FALSE(PredictTtft({}, 0, 0, 10, 0).known);
+}
+
+TEST(SloTest, LeastBacklogIsTheIdlestFittedWorker) {
+  EXPECT_NEAR(LeastBacklogSeconds({Worker(1000, 2, 1e-3, 1e-5), Worker(100, 1, 1e-3, 1e-5),
+                                   Worker(0, 0, 1e-3, 1e-5, /*steps=*/0)}),
+              1e-3 + 100e-5, 1e-12);
+  EXPECT_EQ(LeastBacklogSeconds({Worker(0, 0, 0, 0, 0)}), 0);
+}
+
+TEST(SloTest, OverheadFollowsMeasuredMinusPredictedAndNeverGoesNegative) {
+  SloTracker t;
+  EXPECT_EQ(t.overhead_s(), 0);
+  t.Observe(0.010, 0.013);  // the first observation is taken as is
+  EXPECT_NEAR(t.overhead_s(), 0.003, 1e-12);
+  for (int i = 0; i < 500; ++i) t.Observe(0.020, 0.025);
+  EXPECT_NEAR(t.overhead_s(), 0.005, 1e-6);
+  for (int i = 0; i < 500; ++i) t.Observe(0.050, 0.040);  // over-predicted: no negative overhead
+  EXPECT_NEAR(t.overhead_s(), 0, 1e-6);
+  EXPECT_GE(t.overhead_s(), 0);
+}
+
+}  // namespace
+}  // namespace tandem::router
