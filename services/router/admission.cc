@@ -27,11 +27,12 @@ Admission::Admission(int max_inflight, int max_queue)
 
 absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
                                         const std::function<bool()>& cancelled,
-                                        Priority priority, int64_t tokens) {
+                                        Priority priority, int64_t tokens, absl::Time give_up) {
   absl::MutexLock lock(&mu_);
   // Fast path: a free slot, an open gate and nobody ahead in the queue.
-  if (running_ < max_inflight_ && queue_.empty() && (!gate_ || gate_())) {
+  if (running_ < max_inflight_ && queue_.empty() && (!gate_ || gate_(in_transit_))) {
     running_++;
+    in_transit_++;
     return Slot(this);
   }
   const int cls = static_cast<int>(priority);
@@ -55,13 +56,13 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
   tokens_[ticket] = tokens;
   auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return displaced_tickets_.contains(ticket) ||
-           (*queue_.begin() == me && running_ < max_inflight_ && (!gate_ || gate_()));
+           (*queue_.begin() == me && running_ < max_inflight_ && (!gate_ || gate_(in_transit_)));
   };
   // Wake at least this often to notice a cancelled caller, or a gate that opened unannounced.
   const absl::Duration poll = gate_ ? absl::Milliseconds(5) : absl::Milliseconds(50);
   absl::Status failure;
   while (!settled()) {
-    const absl::Time wake = std::min(deadline, absl::Now() + poll);
+    const absl::Time wake = std::min({deadline, give_up, absl::Now() + poll});
     mu_.AwaitWithDeadline(absl::Condition(&settled), wake);
     if (settled()) break;
     if (cancelled && cancelled()) {
@@ -70,6 +71,14 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
     }
     if (absl::Now() >= deadline) {
       failure = absl::DeadlineExceededError("deadline passed while queued at the router");
+      break;
+    }
+    if (absl::Now() >= give_up) {
+      gave_up_++;
+      rejected_++;
+      failure = absl::ResourceExhaustedError(
+          "router overloaded: this request waited in the queue past the point where its time to "
+          "first token target could still be met");
       break;
     }
   }
@@ -84,12 +93,18 @@ absl::StatusOr<Slot> Admission::Acquire(absl::Time deadline,
   tokens_.erase(ticket);
   if (!failure.ok()) return failure;
   running_++;
+  in_transit_++;
   return Slot(this);
 }
 
-void Admission::SetGate(std::function<bool()> open) {
+void Admission::SetGate(std::function<bool(int)> open) {
   absl::MutexLock lock(&mu_);
   gate_ = std::move(open);
+}
+
+void Admission::Arrived() {
+  absl::MutexLock lock(&mu_);
+  in_transit_--;
 }
 
 void Admission::Kick() {
@@ -136,6 +151,11 @@ int64_t Admission::tokens_ahead(Priority priority) const {
 uint64_t Admission::displaced() const {
   absl::MutexLock lock(&mu_);
   return displaced_;
+}
+
+uint64_t Admission::gave_up() const {
+  absl::MutexLock lock(&mu_);
+  return gave_up_;
 }
 
 uint64_t Admission::rejected() const {

@@ -9,10 +9,12 @@
 // deadline (DEADLINE_EXCEEDED) or when its caller is cancelled (CANCELLED).
 //
 // A gate (SetGate) can hold the queue further: the first waiter gets a free slot only while the
-// gate is open. The router opens it while the workers' predicted prefill backlog is short
-// (services/router/slo.h), so requests wait here, most urgent first, rather than in a worker's
-// FIFO queue where an interactive request would wait behind batch ones. Kick() makes waiters
-// look at the gate again.
+// gate is open. The gate is asked with the number of admitted requests not yet on a worker
+// (admitted and not yet Arrived()), counted here under the same lock, so two waiters never both
+// pass on one opening. The router opens it while the workers' predicted prefill backlog is
+// short (services/router/slo.h), so requests wait here, most urgent first, rather than in a
+// worker's FIFO queue where an interactive request would wait behind batch ones. Kick() makes
+// waiters look at the gate again.
 //
 // Threading: thread-safe. A Slot is released by its destructor on any thread.
 #pragma once
@@ -55,14 +57,20 @@ class Admission {
   Admission(int max_inflight, int max_queue);
 
   // Waits for a slot. `cancelled` is polled while waiting (it may be empty). `tokens` is the
-  // request's prompt length, for tokens_ahead().
+  // request's prompt length, for tokens_ahead(). A request still waiting at `give_up` (the last
+  // moment it could start and still meet its TTFT target) leaves with RESOURCE_EXHAUSTED rather
+  // than be served late.
   absl::StatusOr<Slot> Acquire(absl::Time deadline, const std::function<bool()>& cancelled,
-                               Priority priority = Priority::kStandard, int64_t tokens = 0);
+                               Priority priority = Priority::kStandard, int64_t tokens = 0,
+                               absl::Time give_up = absl::InfiniteFuture());
 
   // `open` is called under the admission lock, often: it must be cheap and must not call back
   // into this object. Set it before the first Acquire.
-  void SetGate(std::function<bool()> open);
+  void SetGate(std::function<bool(int in_transit)> open);
   void Kick();
+  // An admitted request reached its worker (or ended): it no longer counts as in transit.
+  // Once per successful Acquire.
+  void Arrived();
 
   int running() const;
   int waiting() const;
@@ -73,6 +81,7 @@ class Admission {
   int64_t tokens_ahead(Priority priority) const;
   uint64_t rejected() const;   // refused at arrival and displaced
   uint64_t displaced() const;  // of those, waiters pushed out by a more urgent arrival
+  uint64_t gave_up() const;    // waiters that reached their give-up time
 
  private:
   friend class Slot;
@@ -83,7 +92,8 @@ class Admission {
   mutable absl::Mutex mu_;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;  // handed to each waiter in arrival order
-  std::function<bool()> gate_ ABSL_GUARDED_BY(mu_);
+  std::function<bool(int)> gate_ ABSL_GUARDED_BY(mu_);
+  int in_transit_ ABSL_GUARDED_BY(mu_) = 0;
   // Waiters in the order they are served: (class, ticket), with their prompt tokens.
   std::set<std::pair<int, uint64_t>> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int64_t> tokens_ ABSL_GUARDED_BY(mu_);
@@ -91,6 +101,7 @@ class Admission {
   absl::flat_hash_set<uint64_t> displaced_tickets_ ABSL_GUARDED_BY(mu_);
   uint64_t rejected_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t displaced_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t gave_up_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tandem::router

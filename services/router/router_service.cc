@@ -258,7 +258,7 @@ InferenceService::InferenceService(const ModelHolder* models, WorkerRegistry* re
       tenant_salt_(TenantSalt("", o.tenant)),
       prefix_index_(o.prefix_index) {
   if (o_.max_prefill_backlog > absl::ZeroDuration()) {
-    admission_->SetGate([this] { return GateOpen(); });
+    admission_->SetGate([this](int in_transit) { return GateOpen(in_transit); });
   }
 }
 
@@ -295,7 +295,7 @@ Pool InferenceService::PrefillPool() const {
   return registry_->Plan() == PlanKind::kColocated ? Pool::kColocated : Pool::kPrefill;
 }
 
-bool InferenceService::GateOpen() const {
+bool InferenceService::GateOpen(int in_transit) const {
   const double bound_s = absl::ToDoubleSeconds(o_.max_prefill_backlog);
   const std::vector<WorkerRegistry::Load> loads = registry_->Loads(PrefillPool());
   // No worker at all: let the request through to fail (or wait) in routing, as without a gate.
@@ -306,19 +306,19 @@ bool InferenceService::GateOpen() const {
   }
   // Every worker over the bound: closed until one's backlog drains (it always does: a
   // backlog ends when its prefill returns).
-  return in_transit_.load() < under;
+  return in_transit < under;
 }
 
 void InferenceService::Arrived(Call& c) {
   if (!c.in_transit) return;
   c.in_transit = false;
-  in_transit_--;
-  admission_->Kick();
+  admission_->Arrived();
 }
 
 TtftPrediction InferenceService::PredictTtft(Priority priority, int64_t tokens) const {
   return router::PredictTtft(registry_->Loads(PrefillPool()), admission_->tokens_ahead(priority),
-                             admission_->waiting_ahead(priority), tokens, slo_.overhead_s());
+                             admission_->waiting_ahead(priority), tokens,
+                             slo_[static_cast<int>(priority)].correction_s());
 }
 
 std::string InferenceService::NewRequestId() {
@@ -391,15 +391,25 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
         c.predicted.own_s * 1e3));
   } else {
     const int64_t queued_from = trace::Tracer::NowMicros();
+    // Queued past arrival + target - its own prefill, it can no longer make its target: it
+    // leaves then, as it would have been refused had the router known (urgent arrivals overtake).
+    const absl::Time give_up =
+        target_s > 0 && c.predicted.known
+            ? c.arrival + absl::Seconds(target_s - c.predicted.own_s)
+            : absl::InfiniteFuture();
     absl::StatusOr<Slot> slot =
         admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority,
-                            static_cast<int64_t>(c.req.prompt.size()));
+                            static_cast<int64_t>(c.req.prompt.size()), give_up);
     if (o_.tracer != nullptr) {
       o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
                           {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}});
     }
     if (!slot.ok()) {
       result = slot.status();
+      if (absl::IsResourceExhausted(result) && absl::Now() >= give_up) {
+        slo_rejected_++;
+        if (metrics_ != nullptr) metrics_->RecordSloRejected(PriorityName(c.req.priority));
+      }
       // Full: say when to come back, as the rate limiter does (the HTTP front door turns it into
       // a Retry-After header). A queue slot turns over within about a request's time.
       if (absl::IsResourceExhausted(result)) ctx->AddTrailingMetadata("retry-after", "1");
@@ -407,7 +417,6 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       c.admitted = absl::Now();
       if (metrics_ != nullptr) metrics_->RecordAdmitted(c.admitted - c.arrival);
       c.in_transit = true;
-      in_transit_++;
       result = Route(c);
       Arrived(c);
     }
@@ -727,7 +736,7 @@ absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
       d.EndBacklog();  // a colocated worker's prefill is done
       admission_->Kick();
       if (c.predicted.known) {
-        slo_.Observe(c.predicted.backlog_s + c.predicted.own_s,
+        slo_[static_cast<int>(c.req.priority)].Observe(c.predicted.backlog_s + c.predicted.own_s,
                      absl::ToDoubleSeconds(now - c.arrival));
       }
       msg.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());

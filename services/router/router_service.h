@@ -42,6 +42,7 @@
 // only thread-safe objects. Ownership: the services borrow everything; RouterServer owns it.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -170,7 +171,7 @@ class InferenceService final : public v1::Inference::Service {
   Pool PrefillPool() const;
   // The admission gate with RouterOptions::max_prefill_backlog (slo.h): open while fewer
   // admitted requests are on their way to a worker than there are workers under the bound.
-  bool GateOpen() const;
+  bool GateOpen(int in_transit) const;
   // The request's prefill started on a worker, or it ended: it no longer counts as on its way.
   void Arrived(Call& c);
   absl::Status RelayDecode(Call& c, Assignment& d, const v1::DecodeRequest& dreq);
@@ -200,8 +201,7 @@ class InferenceService final : public v1::Inference::Service {
   std::atomic<uint64_t> failed_{0};
   std::atomic<uint64_t> migrations_{0};
   std::atomic<uint64_t> slo_rejected_{0};
-  std::atomic<int> in_transit_{0};  // admitted, prefill not started on a worker
-  SloTracker slo_;
+  std::array<SloTracker, 3> slo_;  // by Priority
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
   absl::Mutex ids_mu_;

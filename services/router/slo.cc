@@ -1,23 +1,28 @@
 #include "services/router/slo.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 namespace tandem::router {
 namespace {
 
 bool Fitted(const v1::StepCost& c) {
-  return c.steps() >= kMinFittedSteps && c.prefill_token_s() > 0 && c.intercept_s() >= 0;
+  return c.steps() >= kMinFittedSteps && c.prefill_token_s() > 0;
 }
 
+// A least-squares intercept can come out below zero when every step was about the same size
+// (a prefill worker seeing one prompt length); a step never costs less than nothing.
+double Intercept(const v1::StepCost& c) { return std::max(0.0, c.intercept_s()); }
+
 double BacklogSeconds(const WorkerRegistry::Load& l) {
-  return l.backlog_requests * l.cost.intercept_s() + l.backlog_tokens * l.cost.prefill_token_s();
+  return l.backlog_requests * Intercept(l.cost) + l.backlog_tokens * l.cost.prefill_token_s();
 }
 
 }  // namespace
 
 TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_t ahead_tokens,
-                           int ahead_requests, int64_t tokens, double overhead_s) {
+                           int ahead_requests, int64_t tokens, double correction_s) {
   TtftPrediction p;
   int n = 0;
   double backlog = 0, intercept = 0, per_token = 0;
@@ -25,7 +30,7 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
     if (!Fitted(l.cost)) continue;
     ++n;
     backlog += BacklogSeconds(l);
-    intercept += l.cost.intercept_s();
+    intercept += Intercept(l.cost);
     per_token += l.cost.prefill_token_s();
   }
   if (n == 0) return p;
@@ -34,7 +39,7 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
   p.known = true;
   p.backlog_s = (backlog + ahead_requests * intercept + ahead_tokens * per_token) / n;
   p.own_s = intercept + tokens * per_token;
-  p.seconds = p.backlog_s + p.own_s + std::max(0.0, overhead_s);
+  p.seconds = std::max(p.own_s, p.backlog_s + p.own_s + correction_s);
   return p;
 }
 
@@ -46,16 +51,24 @@ double LeastBacklogSeconds(const std::vector<WorkerRegistry::Load>& pool) {
   return least == std::numeric_limits<double>::infinity() ? 0 : least;
 }
 
-double SloTracker::overhead_s() const {
+double SloTracker::correction_s() const {
   absl::MutexLock l(&mu_);
-  return overhead_s_;
+  return correction_s_;
 }
 
 void SloTracker::Observe(double predicted_s, double measured_s) {
-  const double residual = std::clamp(measured_s - predicted_s, 0.0, kMaxOverheadS);
+  const double residual = std::clamp(measured_s - predicted_s, -kMaxCorrectionS, kMaxCorrectionS);
   absl::MutexLock l(&mu_);
-  overhead_s_ = seen_ ? (1 - kWeight) * overhead_s_ + kWeight * residual : residual;
-  seen_ = true;
+  if (!seen_) {
+    correction_s_ = residual;
+    seen_ = true;
+    return;
+  }
+  spread_s_ = (1 - kWeight) * spread_s_ + kWeight * std::abs(residual - correction_s_);
+  const double step = std::max(1e-4, 0.1 * spread_s_);
+  correction_s_ += residual > correction_s_ ? step * kCorrectionQuantile
+                                            : -step * (1 - kCorrectionQuantile);
+  correction_s_ = std::clamp(correction_s_, -kMaxCorrectionS, kMaxCorrectionS);
 }
 
 }  // namespace tandem::router

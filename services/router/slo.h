@@ -9,10 +9,16 @@
 // its own and more urgent classes (Admission::tokens_ahead). So
 //
 //   predicted TTFT = (sum of the workers' backlog cost + cost of the queue ahead) / workers
-//                    + cost of the request's own prefill + overhead
+//                    + cost of the request's own prefill + correction
 //
-// where `overhead` (KV transfer, the first decode step, RPCs) is learned from measured TTFTs:
-// an exponentially weighted mean of measured minus predicted, never below zero.
+// never less than the request's own prefill. The correction is learned per priority class from
+// measured TTFTs: an online estimate of the kCorrectionQuantile (0.9) quantile of measured minus
+// predicted, of either sign, so that about 9 in 10 admitted requests come in under their
+// prediction and a class's p90 TTFT stays within its target. It takes in what the cost model
+// leaves out (KV transfer, the first decode step, RPCs: a positive part), how much a worker's
+// batching beats one prefill after another (negative) and the spread of step times.
+// Per class, because a class is overtaken by more urgent arrivals it could not have counted:
+// batch requests' long waits must not make interactive predictions pessimistic.
 //
 // The router refuses at once (RESOURCE_EXHAUSTED, with retry-after) a request whose target is
 // below its prediction, rather than letting it wait to miss; and with a backlog bound
@@ -35,34 +41,38 @@
 namespace tandem::router {
 
 inline constexpr uint64_t kMinFittedSteps = 8;
+inline constexpr double kCorrectionQuantile = 0.9;
 
 struct TtftPrediction {
   bool known = false;      // some worker of the pool has a fitted cost
-  double seconds = 0;      // predicted TTFT, overhead included
+  double seconds = 0;      // predicted TTFT, correction included
   double backlog_s = 0;    // of that, the workers' backlog and the queue ahead
   double own_s = 0;        // the request's own prefill
 };
 
 // `ahead_tokens` prompt tokens of `ahead_requests` requests wait ahead of this one at the router.
 TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_t ahead_tokens,
-                           int ahead_requests, int64_t tokens, double overhead_s);
+                           int ahead_requests, int64_t tokens, double correction_s);
 
 // The smallest backlog, in predicted seconds, of the fitted workers of `pool`; 0 when none is
 // fitted (nothing to hold requests back for).
 double LeastBacklogSeconds(const std::vector<WorkerRegistry::Load>& pool);
 
-// Learns the overhead from each request's predicted and measured TTFT.
+// Learns the correction from each request's predicted and measured TTFT: the stochastic
+// quantile estimate q += step * (tau - [residual <= q]), its step a tenth of the recent mean
+// distance of residuals from q (so it settles at any time scale, GPU or CPU), at least 0.1 ms.
 class SloTracker {
  public:
-  double overhead_s() const;
-  // `predicted` without the overhead; `measured` from arrival to the first token.
+  double correction_s() const;
+  // `predicted` without the correction; `measured` from arrival to the first token.
   void Observe(double predicted_s, double measured_s);
 
  private:
-  static constexpr double kWeight = 0.05;  // of each new observation
-  static constexpr double kMaxOverheadS = 1.0;
+  static constexpr double kWeight = 0.05;  // of each new observation, in the spread
+  static constexpr double kMaxCorrectionS = 1.0;  // either way
   mutable absl::Mutex mu_;
-  double overhead_s_ ABSL_GUARDED_BY(mu_) = 0;
+  double correction_s_ ABSL_GUARDED_BY(mu_) = 0;
+  double spread_s_ ABSL_GUARDED_BY(mu_) = 0;  // mean |residual - correction|
   bool seen_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "services/common/sampling_convert.h"
 #include "services/common/tls.h"
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tools/tandem/bench_plot.h"
@@ -94,11 +96,28 @@ class SessionGate {
   std::vector<int> done_;
 };
 
-RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o, const PlannedRequest& p,
+// A class's SLO: the run's --slo, with the class's own targets over it.
+bench::Slo ClassSlo(const bench::Slo& run_slo, const bench::RequestClass& c) {
+  bench::Slo s = run_slo;
+  if (c.ttft_ms > 0) s.ttft_ms = c.ttft_ms;
+  if (c.tpot_ms > 0) s.tpot_ms = c.tpot_ms;
+  return s;
+}
+
+RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
+                      const std::vector<bench::RequestClass>& classes, const PlannedRequest& p,
                       Clock::time_point run_start) {
   RequestResult r;
   v1::GenerateRequest req;
   req.set_model(o.model);
+  if (p.cls >= 0) {
+    const bench::RequestClass& c = classes[static_cast<size_t>(p.cls)];
+    req.set_priority(*services::PriorityFromName(c.name));  // checked in RunBench
+    if (o.send_targets) {
+      req.set_ttft_target_ms(static_cast<uint32_t>(std::ceil(c.ttft_ms)));
+      req.set_tpot_target_ms(static_cast<uint32_t>(std::ceil(c.tpot_ms)));
+    }
+  }
   req.mutable_token_ids()->mutable_ids()->Add(p.prompt.begin(), p.prompt.end());
   v1::SamplingParams* s = req.mutable_sampling();
   s->set_max_tokens(p.max_tokens);
@@ -146,6 +165,7 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o, const Pl
   const grpc::Status gs = reader->Finish();
   r.e2e_s = SecondsBetween(sent, Clock::now());
   r.ok = gs.ok();
+  r.status_code = static_cast<int>(gs.error_code());
   if (!gs.ok()) {
     r.error = absl::StrCat(static_cast<int>(gs.error_code()), ": ", gs.error_message());
   }
@@ -159,12 +179,14 @@ struct Run {
   int concurrency = 0;
   std::vector<RequestResult> results;
   BenchStats stats;
+  std::vector<BenchStats> class_stats;  // per class of the mix
+  std::vector<size_t> class_refused;    // RESOURCE_EXHAUSTED answers per class
 };
 
 // Sends every planned request once; fills run.results (in plan order) and run.stats.
 void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
-             const std::vector<double>& arrivals, const bench::Slo& slo,
-             const std::shared_ptr<grpc::Channel>& channel, Run& run) {
+             const std::vector<bench::RequestClass>& classes, const std::vector<double>& arrivals,
+             const bench::Slo& slo, const std::shared_ptr<grpc::Channel>& channel, Run& run) {
   const int n = static_cast<int>(plan.size());
   run.results.assign(plan.size(), RequestResult{});
   SessionGate gate(plan);
@@ -179,7 +201,7 @@ void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
   int in_flight = 0;
   auto send = [&](int i) {
     gate.WaitTurn(plan[i]);
-    run.results[i] = SendOne(*stub, o, plan[i], start);
+    run.results[i] = SendOne(*stub, o, classes, plan[i], start);
     ends[i] = SecondsBetween(start, Clock::now());
     gate.EndTurn(plan[i]);
     progress.Done(++finished);
@@ -216,9 +238,25 @@ void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
   for (std::thread& t : threads) t.join();
   const double duration = *std::max_element(ends.begin(), ends.end());
   run.stats = bench::ComputeStats(run.results, duration, slo);
+  if (classes.empty()) return;
+  run.stats.good_requests = 0;
+  for (size_t k = 0; k < classes.size(); ++k) {
+    std::vector<RequestResult> mine;
+    size_t refused = 0;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (plan[i].cls != static_cast<int>(k)) continue;
+      mine.push_back(run.results[i]);
+      refused += run.results[i].status_code == static_cast<int>(grpc::RESOURCE_EXHAUSTED);
+    }
+    run.class_stats.push_back(bench::ComputeStats(mine, duration, ClassSlo(slo, classes[k])));
+    run.class_refused.push_back(refused);
+    run.stats.good_requests += run.class_stats.back().good_requests;
+  }
+  run.stats.goodput = duration > 0 ? static_cast<double>(run.stats.good_requests) / duration : 0;
 }
 
-nlohmann::json RunJson(const Run& run) {
+nlohmann::json RunJson(const Run& run, const std::vector<PlannedRequest>& plan,
+                       const std::vector<bench::RequestClass>& classes) {
   nlohmann::json j = bench::StatsJson(run.stats);
   j["label"] = run.label;
   j["mode"] = run.open_loop ? "open" : "closed";
@@ -229,7 +267,8 @@ nlohmann::json RunJson(const Run& run) {
   int ok = 0;
   nlohmann::json reqs = nlohmann::json::array();
   std::vector<std::string> errors;
-  for (const RequestResult& r : run.results) {
+  for (size_t i = 0; i < run.results.size(); ++i) {
+    const RequestResult& r = run.results[i];
     nlohmann::json e = {{"ok", r.ok},
                         {"start_s", r.start_s},
                         {"prompt_tokens", r.prompt_tokens},
@@ -237,6 +276,11 @@ nlohmann::json RunJson(const Run& run) {
                         {"ttft_ms", r.ttft_s * 1000},
                         {"e2e_ms", r.e2e_s * 1000},
                         {"tpot_ms", std::max(bench::Tpot(r), 0.0) * 1000}};
+    if (plan[i].cls >= 0) e["class"] = classes[static_cast<size_t>(plan[i].cls)].name;
+    if (r.ok) {  // the router's breakdown of this request's TTFT
+      e["server_queue_ms"] = r.server_queue_s * 1000;
+      e["server_prefill_ms"] = r.server_prefill_s * 1000;
+    }
     if (!r.ok) {
       e["error"] = r.error;
       if (errors.size() < 5) errors.push_back(r.error);
@@ -257,11 +301,24 @@ nlohmann::json RunJson(const Run& run) {
                                    {"prefix_onboarding", ob * k},
                                    {"first_decode_step", fd * k}};
   j["errors"] = errors;
+  if (!classes.empty()) {
+    j["classes"] = nlohmann::json::array();
+    for (size_t k = 0; k < classes.size(); ++k) {
+      nlohmann::json c = bench::StatsJson(run.class_stats[k]);
+      c["name"] = classes[k].name;
+      c["weight"] = classes[k].weight;
+      c["ttft_target_ms"] = classes[k].ttft_ms;
+      c["tpot_target_ms"] = classes[k].tpot_ms;
+      c["refused"] = run.class_refused[k];
+      j["classes"].push_back(std::move(c));
+    }
+  }
   j["requests"] = std::move(reqs);
   return j;
 }
 
-void PrintSummary(const Run& run, const bench::Slo& slo) {
+void PrintSummary(const Run& run, const bench::Slo& slo,
+                  const std::vector<bench::RequestClass>& classes) {
   const BenchStats& s = run.stats;
   std::printf("============ tandem bench: %s ============\n", run.label.c_str());
   std::printf("%-34s %zu\n%-34s %zu\n%-34s %.2f\n", "Successful requests:", s.completed,
@@ -273,7 +330,9 @@ void PrintSummary(const Run& run, const bench::Slo& slo) {
               "Request throughput (req/s):", s.request_throughput,
               "Output token throughput (tok/s):", s.output_token_throughput,
               "Total token throughput (tok/s):", s.total_token_throughput);
-  if (slo.any()) std::printf("%-34s %.2f\n", "Request goodput (req/s):", s.goodput);
+  if (slo.any() || !classes.empty()) {
+    std::printf("%-34s %.2f\n", "Request goodput (req/s):", s.goodput);
+  }
   if (s.spec_verify_steps > 0) {
     std::printf("%-34s %lld of %lld (%.1f%%)\n%-34s %.2f\n",
                 "Draft tokens accepted:", static_cast<long long>(s.spec_accepted_tokens),
@@ -285,6 +344,12 @@ void PrintSummary(const Run& run, const bench::Slo& slo) {
   for (const auto& [name, sum] : rows) {
     std::printf("%-5s (ms): mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f\n", name, sum->mean,
                 sum->p50, sum->p90, sum->p99);
+  }
+  for (size_t k = 0; k < classes.size(); ++k) {
+    const BenchStats& c = run.class_stats[k];
+    std::printf("class %-11s ok %4zu  refused %4zu  goodput %7.2f req/s  TTFT p50 %8.1f  p90 %8.1f ms\n",
+                classes[k].name.c_str(), c.completed, run.class_refused[k], c.goodput,
+                c.ttft_ms.p50, c.ttft_ms.p90);
   }
   std::fflush(stdout);
 }
@@ -314,6 +379,13 @@ absl::Status RunBench(const BenchOptions& o) {
   if (!workload.ok()) return workload.status();
   absl::StatusOr<bench::Arrival> arrival = bench::ParseArrival(o.arrival);
   if (!arrival.ok()) return arrival.status();
+  absl::StatusOr<std::vector<bench::RequestClass>> classes = bench::ParseMix(o.mix);
+  if (!classes.ok()) return classes.status();
+  for (const bench::RequestClass& c : *classes) {
+    if (absl::StatusOr<v1::Priority> p = services::PriorityFromName(c.name); !p.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--mix: ", p.status().message()));
+    }
+  }
 
   // TLS when --tls-* were given; round_robin over every router the name resolves to.
   auto channel = services::CreateClientChannel(o.router, services::RouterChannelArgs());
@@ -354,6 +426,7 @@ absl::Status RunBench(const BenchOptions& o) {
   wo.seed = o.seed;
   absl::StatusOr<std::vector<PlannedRequest>> plan = bench::MakeRequests(wo);
   if (!plan.ok()) return plan.status();
+  bench::AssignClasses(*classes, o.seed, &*plan);
 
   std::vector<Run> runs;
   if (o.request_rates.empty()) {
@@ -379,8 +452,8 @@ absl::Status RunBench(const BenchOptions& o) {
       if (!a.ok()) return a.status();
       arrivals = std::move(*a);
     }
-    Execute(o, *plan, arrivals, *slo, channel, run);
-    PrintSummary(run, *slo);
+    Execute(o, *plan, *classes, arrivals, *slo, channel, run);
+    PrintSummary(run, *slo, *classes);
   }
 
   std::string plot_note;
@@ -411,9 +484,11 @@ absl::Status RunBench(const BenchOptions& o) {
         {"prefix_len", o.prefix_len},
         {"turns", o.turns},
         {"slo", {{"ttft_ms", slo->ttft_ms}, {"tpot_ms", slo->tpot_ms}, {"e2e_ms", slo->e2e_ms}}},
-        {"seed", o.seed}};
+        {"seed", o.seed},
+        {"mix", o.mix},
+        {"send_targets", o.send_targets}};
     j["runs"] = nlohmann::json::array();
-    for (const Run& r : runs) j["runs"].push_back(RunJson(r));
+    for (const Run& r : runs) j["runs"].push_back(RunJson(r, *plan, *classes));
     j["plot"] = o.plot_png.empty() || !plot_note.empty() ? nlohmann::json(nullptr)
                                                          : nlohmann::json(o.plot_png);
     if (!plot_note.empty()) j["plot_skipped"] = plot_note;

@@ -11,6 +11,11 @@
 // run's aggregate fields copied to the top level; a PNG (--plot) made by gnuplot: latency CDFs
 // (TTFT, TPOT, ITL, E2E; a curve per run) and, with several rates, p50/p90 latency against
 // offered load. Without gnuplot the JSON is still written and the plot is reported skipped.
+// With a class mix (--mix) every request carries its class's priority and targets, and each run
+// also reports per class (JSON "classes"): the class's stats, goodput judged by the class's
+// targets (over --slo), and how many were refused (RESOURCE_EXHAUSTED); the run's goodput is
+// then the sum of the classes'. --no-send-targets keeps the targets for judging only (a run
+// without SLO admission, on the same trace).
 // Progress on stderr: a bar on a terminal, else a line at every 10%.
 //
 // Connections use the process's TLS settings (services/common/tls.h), like `tandem client`.
@@ -47,6 +52,10 @@ struct BenchOptions {
   int64_t timeout_ms = 600000;  // per request
   bool quiet = false;           // no progress output
   std::string api_key;          // sent as "authorization: Bearer KEY" when set
+  // Class mix (bench_workload.h's ParseMix): each request's priority, and its class's TTFT and
+  // TPOT targets, which judge its goodput and, with send_targets, travel with it.
+  std::string mix;
+  bool send_targets = true;
 };
 
 absl::Status RunBench(const BenchOptions& o);

@@ -26,6 +26,7 @@ namespace tandem::tools::bench {
 struct RequestResult {
   bool ok = false;
   std::string error;   // when !ok
+  int status_code = 0;  // the gRPC status code (8: RESOURCE_EXHAUSTED, a refusal)
   double start_s = 0;  // when it was sent, from the start of the run
   double ttft_s = 0;   // 0 when no token arrived
   double e2e_s = 0;

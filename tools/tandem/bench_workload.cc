@@ -3,7 +3,10 @@
 #include <cmath>
 #include <random>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace tandem::tools::bench {
 namespace {
@@ -111,6 +114,54 @@ absl::StatusOr<std::vector<double>> ArrivalTimes(int n, double rate, Arrival kin
     }
   }
   return t;
+}
+
+absl::StatusOr<std::vector<RequestClass>> ParseMix(const std::string& spec) {
+  std::vector<RequestClass> out;
+  for (absl::string_view part : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
+    const std::vector<absl::string_view> f = absl::StrSplit(part, ':');
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--mix: '", std::string(part), "': ", std::string(why),
+          " (NAME:WEIGHT[:ttft=MS][:tpot=MS], e.g. interactive:1:ttft=400,batch:3)"));
+    };
+    RequestClass c;
+    c.name = std::string(absl::StripAsciiWhitespace(f[0]));
+    if (c.name.empty()) return bad("no class name");
+    if (f.size() < 2 || !absl::SimpleAtod(f[1], &c.weight) || !(c.weight > 0) ||
+        !std::isfinite(c.weight)) {
+      return bad("the weight must be a number > 0");
+    }
+    for (size_t i = 2; i < f.size(); ++i) {
+      const std::vector<absl::string_view> kv = absl::StrSplit(f[i], '=');
+      double v = 0;
+      if (kv.size() != 2 || !absl::SimpleAtod(kv[1], &v) || !(v > 0) || !std::isfinite(v)) {
+        return bad("a target must be KEY=MS with MS > 0");
+      }
+      if (kv[0] == "ttft") {
+        c.ttft_ms = v;
+      } else if (kv[0] == "tpot") {
+        c.tpot_ms = v;
+      } else {
+        return bad(absl::StrCat("unknown target '", std::string(kv[0]), "' (ttft or tpot)"));
+      }
+    }
+    for (const RequestClass& o : out) {
+      if (o.name == c.name) return bad("the class is named twice");
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void AssignClasses(const std::vector<RequestClass>& classes, uint64_t seed,
+                   std::vector<PlannedRequest>* requests) {
+  if (classes.empty()) return;
+  std::vector<double> w;
+  for (const RequestClass& c : classes) w.push_back(c.weight);
+  std::discrete_distribution<int> pick(w.begin(), w.end());
+  std::mt19937_64 rng(seed ^ 0x5bd1e9955bd1e995ull);  // not the prompts' or arrivals' stream
+  for (PlannedRequest& r : *requests) r.cls = pick(rng);
 }
 
 }  // namespace tandem::tools::bench

@@ -11,6 +11,10 @@
 // Arrivals (open loop, mean rate r requests/s): poisson = exponential gaps of mean 1/r;
 // constant = i/r; burst = groups of burst_size sent together every burst_size/r seconds.
 //
+// A class mix (--mix) gives each request a class: a priority name, a weight and the class's
+// own targets, "interactive:1:ttft=400,batch:3" (weights relative; targets in ms, ttft and
+// tpot, optional). Classes are drawn per request from the weights with the seed.
+//
 // Threading: pure functions, deterministic for a given seed. Errors: INVALID_ARGUMENT naming
 // the option.
 #pragma once
@@ -47,7 +51,22 @@ struct PlannedRequest {
   int max_tokens = 0;
   int session = 0;  // multi-turn: which conversation; otherwise the request index
   int turn = 0;     // multi-turn: 0-based turn within the session; otherwise 0
+  int cls = -1;     // index into the class mix; -1 without one
 };
+
+struct RequestClass {
+  std::string name;  // a priority class name, as the router knows them
+  double weight = 0;
+  double ttft_ms = 0;  // 0: no target
+  double tpot_ms = 0;
+};
+
+// "" -> no classes. Names must be distinct; weights > 0.
+absl::StatusOr<std::vector<RequestClass>> ParseMix(const std::string& spec);
+
+// Gives each request a class index drawn from the weights (leaves them -1 for no classes).
+void AssignClasses(const std::vector<RequestClass>& classes, uint64_t seed,
+                   std::vector<PlannedRequest>* requests);
 
 absl::StatusOr<std::vector<PlannedRequest>> MakeRequests(const WorkloadOptions& o);
 

@@ -299,6 +299,10 @@ int main(int argc, char** argv) {
   b->add_option("--timeout-ms", bo.timeout_ms, "Per-request deadline (0: none)");
   b->add_flag("--quiet", bo.quiet, "No progress output");
   b->add_option("--api-key", bo.api_key, "API key of a router run with --api-keys");
+  b->add_option("--mix", bo.mix,
+                "Request classes, e.g. interactive:1:ttft=400,batch:3 (priority:weight[:targets])");
+  b->add_flag("!--no-send-targets", bo.send_targets,
+              "Judge goodput by the --mix targets without sending them");
   tandem::services::TlsOptions bench_tls;
   tandem::services::AddTlsFlags(*b, &bench_tls);
   b->callback([&] {

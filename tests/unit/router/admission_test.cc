@@ -55,6 +55,23 @@ TEST(AdmissionTest, WaitersAreServedInArrivalOrder) {
   EXPECT_EQ(adm.waiting(), 0);
 }
 
+TEST(AdmissionTest, WaiterPastItsGiveUpTimeLeavesExhaustedAndTheQueueMovesOn) {
+  Admission adm(1, 4);
+  std::optional<Slot> held(*adm.Acquire(Soon(), nullptr));
+  const absl::Time t0 = absl::Now();
+  auto late = adm.Acquire(Soon(), nullptr, Priority::kBatch, 100, t0 + absl::Milliseconds(80));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(late.status().message().find("target"), std::string::npos) << late.status();
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(75));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2)) << "left at its give-up time, not its deadline";
+  EXPECT_EQ(adm.gave_up(), 1u);
+  EXPECT_EQ(adm.waiting(), 0);
+  EXPECT_EQ(adm.tokens_ahead(Priority::kBatch), 0);
+  // A give-up time already past does not refuse a request that finds a free slot.
+  held.reset();
+  EXPECT_TRUE(adm.Acquire(Soon(), nullptr, Priority::kBatch, 1, t0).ok());
+}
+
 TEST(AdmissionTest, WaiterGivesUpAtDeadlineOrCancellationWithoutBlockingOthers) {
   Admission adm(1, 4);
   std::optional<Slot> held(*adm.Acquire(Soon(), nullptr));
@@ -162,8 +179,9 @@ TEST(AdmissionTest, FullQueueDisplacesTheNewestLessUrgentWaiter) {
 // urgent waiter goes first. tokens_ahead sums the prompts a class waits behind.
 TEST(AdmissionTest, ClosedGateHoldsFreeSlotsAndTheMostUrgentGoesWhenItOpens) {
   Admission adm(/*max_inflight=*/8, /*max_queue=*/8);
-  std::atomic<bool> open{false};
-  adm.SetGate([&] { return open.load(); });
+  // Open for `allowed` admissions in all (none arrives on a worker here).
+  std::atomic<int> allowed{0};
+  adm.SetGate([&](int in_transit) { return in_transit < allowed.load(); });
   absl::Mutex mu;
   std::vector<Priority> served;
   std::vector<std::thread> waiters;
@@ -175,7 +193,6 @@ TEST(AdmissionTest, ClosedGateHoldsFreeSlotsAndTheMostUrgentGoesWhenItOpens) {
       EXPECT_TRUE(s.ok());
       absl::MutexLock l(&mu);
       served.push_back(arrivals[i].first);
-      open = false;  // one at a time: each admission closes the gate again
     });
     while (adm.waiting() != static_cast<int>(i) + 1) absl::SleepFor(absl::Milliseconds(1));
   }
@@ -186,18 +203,21 @@ TEST(AdmissionTest, ClosedGateHoldsFreeSlotsAndTheMostUrgentGoesWhenItOpens) {
   EXPECT_EQ(adm.tokens_ahead(Priority::kStandard), 37);
   EXPECT_EQ(adm.tokens_ahead(Priority::kBatch), 137);
   for (int n = 1; n <= 3; ++n) {
-    open = true;
+    allowed = n;  // one more may pass
     adm.Kick();
     while (adm.waiting() != 3 - n) absl::SleepFor(absl::Milliseconds(1));
+    absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(adm.waiting(), 3 - n) << "exactly one passed";
   }
   for (auto& t : waiters) t.join();
   EXPECT_EQ(served, (std::vector<Priority>{Priority::kInteractive, Priority::kStandard,
                                            Priority::kBatch}));
   EXPECT_EQ(adm.tokens_ahead(Priority::kBatch), 0);
-  // A closed gate also stops the fast path.
-  open = false;
+  // A closed gate also stops the fast path; an arrival opens it again.
   EXPECT_EQ(adm.Acquire(absl::Now() + absl::Milliseconds(20), nullptr).status().code(),
             absl::StatusCode::kDeadlineExceeded);
+  adm.Arrived();
+  EXPECT_TRUE(adm.Acquire(Soon(), nullptr).ok());
 }
 
 }  // namespace

@@ -718,6 +718,63 @@ TEST_F(RouterTest, SloAdmissionRefusesPredictedMissesAndSendsTheUrgentFirst) {
   EXPECT_EQ(started(), (std::vector<std::string>{"first", "urgent", "batch"}));
 }
 
+TEST_F(RouterTest, AQueuedRequestOvertakenPastItsTargetLeavesInsteadOfBeingServedLate) {
+  RouterOptions o;
+  o.max_prefill_backlog = absl::Milliseconds(50);
+  StartRouter(o);
+  FakeDecode& decode = Own<FakeDecode>("d0");
+  FakePrefill& prefill = Own<FakePrefill>();
+  prefill.delay = absl::Milliseconds(400);
+  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id("p0");
+  v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
+  cost.set_intercept_s(0.1);
+  cost.set_prefill_token_s(0.001);
+  cost.set_steps(100);
+  v1::HeartbeatResponse hr;
+  grpc::ClientContext hc;
+  ASSERT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
+  auto request = [](const std::string& id, v1::Priority p, uint32_t ttft_ms) {
+    v1::GenerateRequest r = TextRequest("hi", 2);
+    r.set_request_id(id);
+    r.set_priority(p);
+    r.set_ttft_target_ms(ttft_ms);
+    return r;
+  };
+  Outcome first_out, batch_out, urgent_out;
+  std::thread first([&] { first_out = Run(request("first", v1::PRIORITY_STANDARD, 0)); });
+  while (true) {
+    {
+      absl::MutexLock l(&prefill.rec.mu);
+      if (!prefill.rec.prefill_started.empty()) break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // Predicted about 210 ms, within 600 ms: it queues. The urgent request behind it goes first
+  // when the gate opens (400 ms on), so the batch one could start no sooner than 800 ms: past
+  // 600 ms less its own 104 ms, it leaves.
+  const absl::Time t0 = absl::Now();
+  std::thread batch([&] { batch_out = Run(request("batch", v1::PRIORITY_BATCH, 600)); });
+  while (router_->admission().waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
+  std::thread urgent([&] { urgent_out = Run(request("urgent", v1::PRIORITY_INTERACTIVE, 0)); });
+  batch.join();
+  const absl::Duration waited = absl::Now() - t0;
+  EXPECT_EQ(batch_out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << batch_out.status.error_message();
+  EXPECT_EQ(batch_out.trailers.count("retry-after"), 1u);
+  EXPECT_GE(waited, absl::Milliseconds(450));
+  EXPECT_LT(waited, absl::Milliseconds(800)) << "it left at its give-up time";
+  EXPECT_EQ(router_->inference().slo_rejected(), 1u);
+  first.join();
+  urgent.join();
+  EXPECT_TRUE(first_out.status.ok()) << first_out.status.error_message();
+  EXPECT_TRUE(urgent_out.status.ok()) << urgent_out.status.error_message();
+  absl::MutexLock l(&prefill.rec.mu);
+  EXPECT_EQ(prefill.rec.prefill_started, (std::vector<std::string>{"first", "urgent"}));
+}
+
 TEST_F(RouterTest, AdmissionRefusesBeyondItsLimits) {
   ASSERT_NO_FATAL_FAILURE(HoldTheOnlySlot(/*max_queue=*/0, absl::Milliseconds(10)));
   Outcome second = Run(TextRequest("hi"));

@@ -1,6 +1,6 @@
 // The router's TTFT prediction (services/router/slo.h): the pool's backlog and the queue ahead
 // shared over the fitted workers, the request's own prefill, and the overhead learned from
-// measured TTFTs; unfitted workers are left out.
+// measured TTFTs (either sign); unfitted workers are left out.
 #include "services/router/slo.h"
 
 #include <random>
@@ -26,7 +26,7 @@ TEST(SloTest, OneWorkerWaitsForItsWholeBacklogThenItsOwnPrefill) {
   // 3 requests of 1000 tokens in flight, 2 (500 tokens) queued ahead, own 200 tokens.
   const TtftPrediction p =
       PredictTtft({Worker(1000, 3, 1e-3, 1e-5)}, /*ahead_tokens=*/500, /*ahead_requests=*/2,
-                  /*tokens=*/200, /*overhead_s=*/0.004);
+                  /*tokens=*/200, /*correction_s=*/0.004);
   ASSERT_TRUE(p.known);
   EXPECT_NEAR(p.backlog_s, 3e-3 + 1000e-5 + 2e-3 + 500e-5, 1e-12);
   EXPECT_NEAR(p.own_s, 1e-3 + 200e-5, 1e-12);
@@ -55,6 +55,15 @@ TEST(SloTest, PoolSharesTheBacklogAndUnfittedWorkersDoNotCount) {
   EXPECT_FALSE(PredictTtft({}, 0, 0, 10, 0).known);
 }
 
+TEST(SloTest, ANegativeFittedInterceptCountsAsZero) {
+  // Steps all of one size leave the intercept badly determined; it may come out below zero.
+  const TtftPrediction p = PredictTtft({Worker(768, 2, -0.02, 2e-4)}, 0, 0, 384, 0);
+  ASSERT_TRUE(p.known) << "the per-token cost alone still predicts";
+  EXPECT_NEAR(p.backlog_s, 768 * 2e-4, 1e-12);
+  EXPECT_NEAR(p.own_s, 384 * 2e-4, 1e-12);
+  EXPECT_NEAR(LeastBacklogSeconds({Worker(768, 2, -0.02, 2e-4)}), 768 * 2e-4, 1e-12);
+}
+
 TEST(SloTest, LeastBacklogIsTheIdlestFittedWorker) {
   EXPECT_NEAR(LeastBacklogSeconds({Worker(1000, 2, 1e-3, 1e-5), Worker(100, 1, 1e-3, 1e-5),
                                    Worker(0, 0, 1e-3, 1e-5, /*steps=*/0)}),
@@ -62,16 +71,35 @@ TEST(SloTest, LeastBacklogIsTheIdlestFittedWorker) {
   EXPECT_EQ(LeastBacklogSeconds({Worker(0, 0, 0, 0, 0)}), 0);
 }
 
-TEST(SloTest, OverheadFollowsMeasuredMinusPredictedAndNeverGoesNegative) {
+TEST(SloTest, CorrectionSettlesOnThe90thPercentileOfTheResidualsEitherWay) {
   SloTracker t;
-  EXPECT_EQ(t.overhead_s(), 0);
+  EXPECT_EQ(t.correction_s(), 0);
   t.Observe(0.010, 0.013);  // the first observation is taken as is
-  EXPECT_NEAR(t.overhead_s(), 0.003, 1e-12);
-  for (int i = 0; i < 500; ++i) t.Observe(0.020, 0.025);
-  EXPECT_NEAR(t.overhead_s(), 0.005, 1e-6);
-  for (int i = 0; i < 500; ++i) t.Observe(0.050, 0.040);  // over-predicted: no negative overhead
-  EXPECT_NEAR(t.overhead_s(), 0, 1e-6);
-  EXPECT_GE(t.overhead_s(), 0);
+  EXPECT_NEAR(t.correction_s(), 0.003, 1e-12);
+  std::mt19937 rng(11);
+  // Measured = predicted + U(20 ms, 120 ms): the 0.9 quantile of the residual is 110 ms.
+  std::uniform_real_distribution<double> late(0.020, 0.120);
+  for (int i = 0; i < 20000; ++i) t.Observe(0.050, 0.050 + late(rng));
+  EXPECT_NEAR(t.correction_s(), 0.110, 0.008);
+  // Then the workers batch better than the model: residuals U(-40 ms, -10 ms), quantile -13 ms.
+  std::uniform_real_distribution<double> early(-0.040, -0.010);
+  for (int i = 0; i < 20000; ++i) t.Observe(0.200, 0.200 + early(rng));
+  EXPECT_NEAR(t.correction_s(), -0.013, 0.003);
+  // A GPU-sized scale: residuals U(0, 2 ms) settle too, on 2.0e-3 * 0.9.
+  std::uniform_real_distribution<double> tiny(0.0, 0.002);
+  for (int i = 0; i < 40000; ++i) t.Observe(0.010, 0.010 + tiny(rng));
+  EXPECT_NEAR(t.correction_s(), 0.0018, 0.0003);
+  // A stall is bounded.
+  for (int i = 0; i < 20000; ++i) t.Observe(0.0, 30.0);
+  EXPECT_LE(t.correction_s(), 1.0);
+}
+
+TEST(SloTest, ANegativeCorrectionNeverPredictsLessThanTheOwnPrefill) {
+  const TtftPrediction p = PredictTtft({Worker(1000, 1, 1e-3, 1e-5)}, 0, 0, 200, -1.0);
+  ASSERT_TRUE(p.known);
+  EXPECT_NEAR(p.seconds, p.own_s, 1e-12);
+  const TtftPrediction q = PredictTtft({Worker(1000, 1, 1e-3, 1e-5)}, 0, 0, 200, -0.005);
+  EXPECT_NEAR(q.seconds, q.backlog_s + q.own_s - 0.005, 1e-12);
 }
 
 }  // namespace

@@ -214,5 +214,37 @@ TEST(BenchWorkloadTest, ArrivalTimes) {
   EXPECT_FALSE(ParseWorkload("chat").ok());
 }
 
+TEST(BenchWorkloadTest, ParsesAClassMixAndDrawsClassesByWeight) {
+  auto mix = ParseMix("interactive:1:ttft=400:tpot=50, batch:3");
+  ASSERT_TRUE(mix.ok()) << mix.status();
+  ASSERT_EQ(mix->size(), 2u);
+  EXPECT_EQ((*mix)[0].name, "interactive");
+  EXPECT_DOUBLE_EQ((*mix)[0].ttft_ms, 400);
+  EXPECT_DOUBLE_EQ((*mix)[0].tpot_ms, 50);
+  EXPECT_EQ((*mix)[1].name, "batch");
+  EXPECT_DOUBLE_EQ((*mix)[1].weight, 3);
+  EXPECT_DOUBLE_EQ((*mix)[1].ttft_ms, 0);
+  EXPECT_TRUE(ParseMix("").value().empty());
+  for (const char* bad : {"interactive", "interactive:0", "interactive:x", "a:1,a:2",
+                          "a:1:ttft", "a:1:ttft=0", "a:1:e2e=5", ":1"}) {
+    EXPECT_FALSE(ParseMix(bad).ok()) << bad;
+  }
+  auto plan = MakeRequests(Wl(Workload::kRandom, 4000));
+  ASSERT_TRUE(plan.ok());
+  AssignClasses(*mix, 7, &*plan);
+  int batch = 0;
+  for (const PlannedRequest& r : *plan) {
+    ASSERT_TRUE(r.cls == 0 || r.cls == 1);
+    batch += r.cls == 1;
+  }
+  EXPECT_NEAR(batch / 4000.0, 0.75, 0.03);
+  auto again = MakeRequests(Wl(Workload::kRandom, 4000));
+  AssignClasses(*mix, 7, &*again);
+  for (size_t i = 0; i < plan->size(); ++i) ASSERT_EQ((*plan)[i].cls, (*again)[i].cls);
+  std::vector<PlannedRequest> none = *again;
+  AssignClasses({}, 7, &none);
+  EXPECT_EQ(none[0].cls, (*again)[0].cls);  // no classes: left as they were
+}
+
 }  // namespace
 }  // namespace tandem::tools::bench
