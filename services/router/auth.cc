@@ -14,6 +14,7 @@
 #include "absl/strings/strip.h"
 #include "grpcpp/server_context.h"
 #include "nlohmann/json.hpp"
+#include "services/common/sampling_convert.h"
 #include "xxhash.h"
 
 namespace tandem::router {
@@ -23,6 +24,8 @@ struct Entry {
   std::string key, tenant;
   TenantLimit limit;
   bool has_limit = false;
+  TenantDefaults defaults;
+  bool has_defaults = false;
   std::string where;  // "line 3", "keys[2]": for errors
 };
 
@@ -90,6 +93,24 @@ absl::StatusOr<std::vector<Entry>> ParseJson(std::string_view text) {
       e.has_limit = true;
       (std::string(name) == "rps" ? e.limit.rps : e.limit.burst) = v->get<double>();
     }
+    if (auto p = k.find("priority"); p != k.end()) {
+      if (!p->is_string() || !services::PriorityFromName(p->get<std::string>()).ok()) {
+        return BadEntry(e, "\"priority\" must be \"interactive\", \"standard\" or \"batch\"");
+      }
+      e.defaults.priority = p->get<std::string>();
+      e.has_defaults = true;
+    }
+    for (const char* name : {"ttft_target_ms", "tpot_target_ms"}) {
+      auto v = k.find(name);
+      if (v == k.end()) continue;
+      if (!v->is_number_unsigned() || v->get<uint64_t>() > 3'600'000) {
+        return BadEntry(e, absl::StrCat("\"", name, "\" must be whole milliseconds, 0 to 3600000"));
+      }
+      (std::string(name) == "ttft_target_ms" ? e.defaults.ttft_target_ms
+                                             : e.defaults.tpot_target_ms) =
+          static_cast<uint32_t>(v->get<uint64_t>());
+      e.has_defaults = true;
+    }
     out.push_back(std::move(e));
   }
   return out;
@@ -107,6 +128,7 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Parse(std::string_
   auto a = std::unique_ptr<Authenticator>(new Authenticator());
   a->secret_ = std::move(secret);
   absl::flat_hash_map<std::string, const Entry*> limit_source;  // tenant -> entry giving limits
+  absl::flat_hash_map<std::string, const Entry*> defaults_source;
   absl::MutexLock lock(&a->mu_);
   for (Entry& e : *entries) {
     if (e.key.empty() || e.tenant.empty()) return BadEntry(e, "key and tenant must not be empty");
@@ -130,6 +152,14 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Parse(std::string_
       }
       b.limit = e.limit;
       b.tokens = e.limit.burst;
+    }
+    if (e.has_defaults) {
+      auto [it, fresh] = defaults_source.emplace(e.tenant, &e);
+      if (!fresh && !(it->second->defaults == e.defaults)) {
+        return BadEntry(e, absl::StrCat("tenant '", e.tenant, "' already has other defaults (",
+                                        it->second->where, ")"));
+      }
+      a->defaults_[e.tenant] = e.defaults;
     }
   }
   return a;
@@ -203,6 +233,11 @@ absl::StatusOr<std::string> Authenticator::AuthorizeCall(grpc::ServerContext* ct
     return st;
   }
   return tenant;
+}
+
+TenantDefaults Authenticator::DefaultsFor(const std::string& tenant) const {
+  auto it = defaults_.find(tenant);
+  return it == defaults_.end() ? TenantDefaults{} : it->second;
 }
 
 uint64_t Authenticator::SaltFor(const std::string& tenant) const {

@@ -12,6 +12,11 @@
 // A key appears once; keys of one tenant share one bucket, so its limits must agree (or be
 // given on one line only). rps 0 or absent: no limit.
 //
+// A JSON entry may also give the tenant's request defaults (TenantDefaults), used where a
+// request leaves the field unset: "priority" ("interactive", "standard" or "batch"),
+// "ttft_target_ms" and "tpot_target_ms" (whole milliseconds, 0 to 3600000). Like limits, they
+// must agree across a tenant's keys.
+//
 // Requests carry the key as `Authorization: Bearer KEY`: the HTTP header, or the gRPC metadata
 // `authorization`. Without a valid key: UNAUTHENTICATED (HTTP 401, OpenAI-shaped); over the
 // tenant's rate: RESOURCE_EXHAUSTED (HTTP 429) with `retry-after` seconds in the trailing
@@ -46,6 +51,13 @@ struct TenantLimit {
   double burst = 0;  // bucket size
 };
 
+struct TenantDefaults {
+  std::string priority;  // empty: none
+  uint32_t ttft_target_ms = 0;  // 0: none
+  uint32_t tpot_target_ms = 0;
+  bool operator==(const TenantDefaults&) const = default;
+};
+
 class Authenticator {
  public:
   // `secret` salts the tenants' KV hashes (TenantSalt); empty is allowed (tenants still differ).
@@ -65,6 +77,8 @@ class Authenticator {
   absl::StatusOr<std::string> AuthorizeCall(grpc::ServerContext* ctx, bool count_rate = true);
 
   uint64_t SaltFor(const std::string& tenant) const;
+  // The tenant's request defaults; all empty for a tenant without any.
+  TenantDefaults DefaultsFor(const std::string& tenant) const;
   size_t num_keys() const { return tenant_of_key_.size(); }
 
  private:
@@ -77,6 +91,7 @@ class Authenticator {
 
   std::string secret_;
   absl::flat_hash_map<std::string, std::string> tenant_of_key_;
+  absl::flat_hash_map<std::string, TenantDefaults> defaults_;  // per tenant, immutable
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, Bucket> buckets_ ABSL_GUARDED_BY(mu_);  // per tenant
 };

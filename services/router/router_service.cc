@@ -346,6 +346,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     return services::ToGrpcStatus(absl::UnavailableError("the router is shutting down"));
   }
   uint64_t salt = tenant_salt_;
+  TenantDefaults defaults;
   if (o_.auth != nullptr) {  // API key and the tenant's rate limit (auth.h)
     absl::StatusOr<std::string> tenant = o_.auth->AuthorizeCall(ctx);
     if (!tenant.ok()) {
@@ -353,6 +354,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       return services::ToGrpcStatus(tenant.status());
     }
     salt = o_.auth->SaltFor(*tenant);
+    defaults = o_.auth->DefaultsFor(*tenant);
   }
   Call c;
   c.salt = salt;
@@ -361,7 +363,19 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   c.arrival = absl::Now();
   c.deadline =
       std::min(services::FromChronoDeadline(ctx->deadline()), c.arrival + o_.default_timeout);
-  if (absl::Status st = Prepare(*req, &c.req); !st.ok()) {
+  // The tenant's defaults fill what the request leaves unset (checked when the keys were read).
+  const v1::GenerateRequest* effective = req;
+  v1::GenerateRequest with_defaults;
+  if (!defaults.priority.empty() || defaults.ttft_target_ms > 0 || defaults.tpot_target_ms > 0) {
+    with_defaults = *req;
+    if (req->priority() == v1::PRIORITY_UNSPECIFIED && !defaults.priority.empty()) {
+      with_defaults.set_priority(*services::PriorityFromName(defaults.priority));
+    }
+    if (req->ttft_target_ms() == 0) with_defaults.set_ttft_target_ms(defaults.ttft_target_ms);
+    if (req->tpot_target_ms() == 0) with_defaults.set_tpot_target_ms(defaults.tpot_target_ms);
+    effective = &with_defaults;
+  }
+  if (absl::Status st = Prepare(*effective, &c.req); !st.ok()) {
     failed_++;
     return services::ToGrpcStatus(st);
   }

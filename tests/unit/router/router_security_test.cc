@@ -339,6 +339,35 @@ TEST(AuthenticatorTest, BadKeyFilesNameTheEntry) {
   EXPECT_EQ(Authenticator::Load("/nonexistent/keys").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(AuthenticatorTest, TenantDefaultsComeFromJsonAndAreChecked) {
+  auto a = Authenticator::Parse(R"({"keys": [
+      {"key": "k1", "tenant": "npc", "priority": "interactive", "ttft_target_ms": 400},
+      {"key": "k2", "tenant": "npc", "priority": "interactive", "ttft_target_ms": 400},
+      {"key": "k3", "tenant": "batch-jobs", "priority": "batch", "tpot_target_ms": 200},
+      {"key": "k4", "tenant": "plain"}]})");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->DefaultsFor("npc"), (TenantDefaults{"interactive", 400, 0}));
+  EXPECT_EQ((*a)->DefaultsFor("batch-jobs"), (TenantDefaults{"batch", 0, 200}));
+  EXPECT_EQ((*a)->DefaultsFor("plain"), TenantDefaults{});
+  struct Bad {
+    std::string text, why;
+  } bad[] = {
+      {R"({"keys": [{"key": "k", "tenant": "t", "priority": "urgent"}]})", "\"priority\""},
+      {R"({"keys": [{"key": "k", "tenant": "t", "priority": 1}]})", "\"priority\""},
+      {R"({"keys": [{"key": "k", "tenant": "t", "ttft_target_ms": -1}]})", "ttft_target_ms"},
+      {R"({"keys": [{"key": "k", "tenant": "t", "ttft_target_ms": 1.5}]})", "ttft_target_ms"},
+      {R"({"keys": [{"key": "k", "tenant": "t", "tpot_target_ms": 3600001}]})", "tpot_target_ms"},
+      {R"({"keys": [{"key": "k", "tenant": "t", "priority": "batch"},
+                    {"key": "k2", "tenant": "t", "priority": "standard"}]})", "other defaults"},
+  };
+  for (const Bad& b : bad) {
+    auto r = Authenticator::Parse(b.text);
+    ASSERT_FALSE(r.ok()) << b.text;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(r.status().message(), b.why)) << r.status();
+  }
+}
+
 TEST(AuthenticatorTest, RejectsMissingMalformedAndUnknownKeys) {
   auto a = Authenticator::Parse("k-alice alice\n");
   ASSERT_TRUE(a.ok());
@@ -415,6 +444,36 @@ TEST_F(RouterSecurityTest, GrpcNeedsAValidKeyAndLimitsEachTenant) {
   EXPECT_GE(std::stoi(trailers.find("retry-after")->second), 90);
   // Other tenants are not held up by bob's limit.
   EXPECT_TRUE(Generate(Good(), "k-alice").ok());
+}
+
+TEST_F(RouterSecurityTest, TenantDefaultTargetsApplyWhereTheRequestIsSilent) {
+  auto keys = Authenticator::Parse(R"({"keys": [
+      {"key": "k-npc", "tenant": "npc", "priority": "interactive", "ttft_target_ms": 1},
+      {"key": "k-plain", "tenant": "plain"}]})");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  StartRouter(std::shared_ptr<Authenticator>(std::move(*keys)));
+  // The worker reports a fitted step cost, so the router predicts TTFTs (slo.h).
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id("c0");
+  v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
+  cost.set_intercept_s(0.01);
+  cost.set_prefill_token_s(0.001);
+  cost.set_steps(100);
+  v1::HeartbeatResponse hr;
+  grpc::ClientContext hc;
+  ASSERT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
+  // npc's default target of 1 ms is below any prediction: refused at once.
+  std::multimap<std::string, std::string> trailers;
+  grpc::Status st = Generate(Good(), "k-npc", &trailers);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "target 1 ms")) << st.error_message();
+  EXPECT_EQ(trailers.count("retry-after"), 1u);
+  // The request's own target wins over the tenant's.
+  v1::GenerateRequest own = Good();
+  own.set_ttft_target_ms(60000);
+  EXPECT_TRUE(Generate(own, "k-npc").ok());
+  // Another tenant has no defaults.
+  EXPECT_TRUE(Generate(Good(), "k-plain").ok());
 }
 
 TEST_F(RouterSecurityTest, HttpNeedsAValidKeyAndLimitsEachTenant) {
