@@ -405,12 +405,16 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
         c.predicted.own_s * 1e3));
   } else {
     const int64_t queued_from = trace::Tracer::NowMicros();
-    // Queued past arrival + target - its own prefill, it can no longer make its target: it
-    // leaves then, as it would have been refused had the router known (urgent arrivals overtake).
-    const absl::Time give_up =
-        target_s > 0 && c.predicted.known
-            ? c.arrival + absl::Seconds(target_s - c.predicted.own_s)
-            : absl::InfiniteFuture();
+    // Once admitted, a request still has ahead of it up to the backlog bound on the worker, its
+    // own prefill and the correction. Queued past arrival + target - that, it can no longer make
+    // its target: it leaves then, as it would have been refused had the router known (urgent
+    // arrivals overtake it).
+    const double after_admission_s =
+        c.predicted.own_s + absl::ToDoubleSeconds(o_.max_prefill_backlog) +
+        std::max(0.0, c.predicted.seconds - c.predicted.backlog_s - c.predicted.own_s);
+    const absl::Time give_up = target_s > 0 && c.predicted.known
+                                   ? c.arrival + absl::Seconds(target_s - after_admission_s)
+                                   : absl::InfiniteFuture();
     absl::StatusOr<Slot> slot =
         admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority,
                             static_cast<int64_t>(c.req.prompt.size()), give_up);

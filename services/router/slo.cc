@@ -59,13 +59,15 @@ double SloTracker::correction_s() const {
 void SloTracker::Observe(double predicted_s, double measured_s) {
   const double residual = std::clamp(measured_s - predicted_s, -kMaxCorrectionS, kMaxCorrectionS);
   absl::MutexLock l(&mu_);
-  if (!seen_) {
+  if (seen_++ == 0) {
     correction_s_ = residual;
-    seen_ = true;
     return;
   }
-  spread_s_ = (1 - kWeight) * spread_s_ + kWeight * std::abs(residual - correction_s_);
-  const double step = std::max(1e-4, 0.1 * spread_s_);
+  // Early on, plain means and large steps (1/n), so a fresh router (or a class just starting
+  // to arrive) settles within tens of requests; later the fixed rates take over.
+  const double w = std::max(kWeight, 1.0 / static_cast<double>(seen_));
+  spread_s_ = (1 - w) * spread_s_ + w * std::abs(residual - correction_s_);
+  const double step = std::max(1e-4, std::max(0.1, 2 * w) * spread_s_);
   correction_s_ += residual > correction_s_ ? step * kCorrectionQuantile
                                             : -step * (1 - kCorrectionQuantile);
   correction_s_ = std::clamp(correction_s_, -kMaxCorrectionS, kMaxCorrectionS);

@@ -60,7 +60,8 @@ double LeastBacklogSeconds(const std::vector<WorkerRegistry::Load>& pool);
 
 // Learns the correction from each request's predicted and measured TTFT: the stochastic
 // quantile estimate q += step * (tau - [residual <= q]), its step a tenth of the recent mean
-// distance of residuals from q (so it settles at any time scale, GPU or CPU), at least 0.1 ms.
+// distance of residuals from q (so it settles at any time scale, GPU or CPU), at least 0.1 ms,
+// and larger over the first observations (2/n of it), so it settles within tens of requests.
 class SloTracker {
  public:
   double correction_s() const;
@@ -73,7 +74,7 @@ class SloTracker {
   mutable absl::Mutex mu_;
   double correction_s_ ABSL_GUARDED_BY(mu_) = 0;
   double spread_s_ ABSL_GUARDED_BY(mu_) = 0;  // mean |residual - correction|
-  bool seen_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t seen_ ABSL_GUARDED_BY(mu_) = 0;  // observations
 };
 
 }  // namespace tandem::router
