@@ -229,6 +229,35 @@ class RouterTest : public ::testing::Test {
     std::string text;
     std::multimap<std::string, std::string> trailers;
   };
+  // A router with a 50 ms prefill backlog bound, one decode worker and one prefill worker that
+  // takes `prefill_delay` per prefill and reports a fitted cost of 100 ms + 1 ms per token.
+  FakePrefill& StartSloRouter(absl::Duration prefill_delay) {
+    RouterOptions o;
+    o.max_prefill_backlog = absl::Milliseconds(50);
+    StartRouter(o);
+    FakeDecode& decode = Own<FakeDecode>("d0");
+    FakePrefill& prefill = Own<FakePrefill>();
+    prefill.delay = prefill_delay;
+    Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
+    Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+    v1::HeartbeatRequest hb;
+    hb.set_worker_id("p0");
+    v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
+    cost.set_intercept_s(0.1);
+    cost.set_prefill_token_s(0.001);
+    cost.set_steps(100);
+    v1::HeartbeatResponse hr;
+    grpc::ClientContext hc;
+    EXPECT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
+    return prefill;
+  }
+  static v1::GenerateRequest SloRequest(const std::string& id, v1::Priority p, uint32_t ttft_ms) {
+    v1::GenerateRequest r = TextRequest("hi", 2);
+    r.set_request_id(id);
+    r.set_priority(p);
+    r.set_ttft_target_ms(ttft_ms);
+    return r;
+  }
   // A router with one in-flight slot and `max_queue` waiting places, one decode and one prefill
   // worker streaming 1000 tokens `token_delay` apart, and a first request holding the slot.
   void HoldTheOnlySlot(int max_queue, absl::Duration token_delay) {
@@ -660,41 +689,19 @@ TEST_F(RouterTest, NoWorkerLeftSaysHowTheOnesPassedOverFailed) {
 // others in its queue while the worker is busy and sends the interactive one before the batch
 // one that came first.
 TEST_F(RouterTest, SloAdmissionRefusesPredictedMissesAndSendsTheUrgentFirst) {
-  RouterOptions o;
-  o.max_prefill_backlog = absl::Milliseconds(50);
-  StartRouter(o);
-  FakeDecode& decode = Own<FakeDecode>("d0");
-  FakePrefill& prefill = Own<FakePrefill>();
-  prefill.delay = absl::Milliseconds(300);
-  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
-  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
-  v1::HeartbeatRequest hb;
-  hb.set_worker_id("p0");
-  v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
-  cost.set_intercept_s(0.1);
-  cost.set_prefill_token_s(0.001);
-  cost.set_steps(100);
-  v1::HeartbeatResponse hr;
-  grpc::ClientContext hc;
-  ASSERT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
+  FakePrefill& prefill = StartSloRouter(absl::Milliseconds(300));
+  ASSERT_FALSE(HasFatalFailure());
   auto started = [&] {
     absl::MutexLock l(&prefill.rec.mu);
     return prefill.rec.prefill_started;
   };
-  auto request = [](const std::string& id, v1::Priority p, uint32_t ttft_ms) {
-    v1::GenerateRequest r = TextRequest("hi", 2);
-    r.set_request_id(id);
-    r.set_priority(p);
-    r.set_ttft_target_ms(ttft_ms);
-    return r;
-  };
   // Nothing ahead: predicted about 100 ms, within 2 s.
   Outcome first_out;
-  std::thread first([&] { first_out = Run(request("first", v1::PRIORITY_STANDARD, 2000)); });
+  std::thread first([&] { first_out = Run(SloRequest("first", v1::PRIORITY_STANDARD, 2000)); });
   while (started().empty()) absl::SleepFor(absl::Milliseconds(1));
   // Behind it: 100 ms of backlog and 100 ms of its own, past a 150 ms target.
   const absl::Time t0 = absl::Now();
-  Outcome refused = Run(request("refused", v1::PRIORITY_INTERACTIVE, 150));
+  Outcome refused = Run(SloRequest("refused", v1::PRIORITY_INTERACTIVE, 150));
   EXPECT_LT(absl::Now() - t0, absl::Milliseconds(150)) << "refused at once, not after waiting";
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(refused.status.error_message().find("predicted time to first token"),
@@ -704,9 +711,9 @@ TEST_F(RouterTest, SloAdmissionRefusesPredictedMissesAndSendsTheUrgentFirst) {
   EXPECT_EQ(router_->inference().slo_rejected(), 1u);
   // The backlog is over the bound: a batch request and then an interactive one wait here.
   Outcome batch_out, urgent_out;
-  std::thread batch([&] { batch_out = Run(request("batch", v1::PRIORITY_BATCH, 0)); });
+  std::thread batch([&] { batch_out = Run(SloRequest("batch", v1::PRIORITY_BATCH, 0)); });
   while (router_->admission().waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
-  std::thread urgent([&] { urgent_out = Run(request("urgent", v1::PRIORITY_INTERACTIVE, 5000)); });
+  std::thread urgent([&] { urgent_out = Run(SloRequest("urgent", v1::PRIORITY_INTERACTIVE, 5000)); });
   while (router_->admission().waiting() != 2) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_EQ(started().size(), 1u);
   first.join();
@@ -719,32 +726,10 @@ TEST_F(RouterTest, SloAdmissionRefusesPredictedMissesAndSendsTheUrgentFirst) {
 }
 
 TEST_F(RouterTest, AQueuedRequestOvertakenPastItsTargetLeavesInsteadOfBeingServedLate) {
-  RouterOptions o;
-  o.max_prefill_backlog = absl::Milliseconds(50);
-  StartRouter(o);
-  FakeDecode& decode = Own<FakeDecode>("d0");
-  FakePrefill& prefill = Own<FakePrefill>();
-  prefill.delay = absl::Milliseconds(400);
-  Add(&decode, "d0", v1::WORKER_ROLE_DECODE);
-  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
-  v1::HeartbeatRequest hb;
-  hb.set_worker_id("p0");
-  v1::StepCost& cost = *hb.mutable_stats()->mutable_step_cost();
-  cost.set_intercept_s(0.1);
-  cost.set_prefill_token_s(0.001);
-  cost.set_steps(100);
-  v1::HeartbeatResponse hr;
-  grpc::ClientContext hc;
-  ASSERT_TRUE(registry_->Heartbeat(&hc, hb, &hr).ok());
-  auto request = [](const std::string& id, v1::Priority p, uint32_t ttft_ms) {
-    v1::GenerateRequest r = TextRequest("hi", 2);
-    r.set_request_id(id);
-    r.set_priority(p);
-    r.set_ttft_target_ms(ttft_ms);
-    return r;
-  };
+  FakePrefill& prefill = StartSloRouter(absl::Milliseconds(400));
+  ASSERT_FALSE(HasFatalFailure());
   Outcome first_out, batch_out, urgent_out;
-  std::thread first([&] { first_out = Run(request("first", v1::PRIORITY_STANDARD, 0)); });
+  std::thread first([&] { first_out = Run(SloRequest("first", v1::PRIORITY_STANDARD, 0)); });
   while (true) {
     {
       absl::MutexLock l(&prefill.rec.mu);
@@ -756,9 +741,9 @@ TEST_F(RouterTest, AQueuedRequestOvertakenPastItsTargetLeavesInsteadOfBeingServe
   // when the gate opens (400 ms on), so the batch one could start no sooner than 800 ms: past
   // 600 ms less its own 104 ms and the 50 ms backlog bound (446 ms), it leaves.
   const absl::Time t0 = absl::Now();
-  std::thread batch([&] { batch_out = Run(request("batch", v1::PRIORITY_BATCH, 600)); });
+  std::thread batch([&] { batch_out = Run(SloRequest("batch", v1::PRIORITY_BATCH, 600)); });
   while (router_->admission().waiting() != 1) absl::SleepFor(absl::Milliseconds(1));
-  std::thread urgent([&] { urgent_out = Run(request("urgent", v1::PRIORITY_INTERACTIVE, 0)); });
+  std::thread urgent([&] { urgent_out = Run(SloRequest("urgent", v1::PRIORITY_INTERACTIVE, 0)); });
   batch.join();
   const absl::Duration waited = absl::Now() - t0;
   EXPECT_EQ(batch_out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
