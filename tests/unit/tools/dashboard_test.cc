@@ -70,7 +70,8 @@ TEST(DashboardTest, ExpressionsReferenceOnlyExportedMetrics) {
         "num_requests_waiting", "kv_cache_usage_perc", "kvstore_tier_bytes",
         "kv_integrity_failures_total", "ttft_breakdown_seconds", "recommended_replicas",
         "prefix_cache_hits_total", "kv_transfer_seconds", "migrations_total",
-        "model_bandwidth_utilization", "model_flops_utilization", "engine_step_seconds"}) {
+        "model_bandwidth_utilization", "model_flops_utilization", "engine_step_seconds",
+        "slo_rejected_total"}) {
     EXPECT_TRUE(families.count(want)) << "the dashboard has no panel for tandem_" << want;
   }
 }
