@@ -754,8 +754,8 @@ absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
       d.EndBacklog();  // a colocated worker's prefill is done
       admission_->Kick();
       if (c.predicted.known) {
-        slo_[static_cast<int>(c.req.priority)].Observe(c.predicted.backlog_s + c.predicted.own_s,
-                     absl::ToDoubleSeconds(now - c.arrival));
+        slo_[static_cast<int>(c.req.priority)].Observe(
+            c.predicted.backlog_s + c.predicted.own_s, absl::ToDoubleSeconds(now - c.arrival));
       }
       msg.mutable_prompt_token_ids()->Add(c.req.prompt.begin(), c.req.prompt.end());
       v1::TtftBreakdown* t = msg.mutable_ttft();
