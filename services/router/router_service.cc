@@ -262,7 +262,9 @@ InferenceService::InferenceService(const ModelHolder* models, WorkerRegistry* re
   }
 }
 
-absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const {
+absl::Status InferenceService::Prepare(const v1::GenerateRequest& req,
+                                       const TenantDefaults& defaults,
+                                       PreparedRequest* out) const {
   if (model() == nullptr) return ModelHolder::NotYetKnown();
   // The rules live in request_validation.h, shared with the fuzz targets.
   TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(req, *model(), RequestLimits{}, &out->prompt,
@@ -270,7 +272,12 @@ absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedR
   const int64_t need = static_cast<int64_t>(out->prompt.size()) + out->engine_sampling.max_tokens;
   out->sampling = services::SamplingToProto(out->engine_sampling);
   out->kv_blocks = (need + o_.kv_block_size - 1) / o_.kv_block_size;
-  switch (req.priority()) {
+  // The tenant's defaults fill what the request leaves unset (checked when the keys were read).
+  v1::Priority priority = req.priority();
+  if (priority == v1::PRIORITY_UNSPECIFIED && !defaults.priority.empty()) {
+    priority = *services::PriorityFromName(defaults.priority);
+  }
+  switch (priority) {
     case v1::PRIORITY_UNSPECIFIED:
     case v1::PRIORITY_STANDARD:
       out->priority = Priority::kStandard;
@@ -286,8 +293,10 @@ absl::Status InferenceService::Prepare(const v1::GenerateRequest& req, PreparedR
           "priority: unknown value ", static_cast<int>(req.priority()),
           " (PRIORITY_INTERACTIVE, PRIORITY_STANDARD or PRIORITY_BATCH)"));
   }
-  out->ttft_target = absl::Milliseconds(req.ttft_target_ms());
-  out->tpot_target = absl::Milliseconds(req.tpot_target_ms());
+  out->ttft_target = absl::Milliseconds(req.ttft_target_ms() > 0 ? req.ttft_target_ms()
+                                                                 : defaults.ttft_target_ms);
+  out->tpot_target = absl::Milliseconds(req.tpot_target_ms() > 0 ? req.tpot_target_ms()
+                                                                 : defaults.tpot_target_ms);
   return absl::OkStatus();
 }
 
@@ -302,7 +311,7 @@ bool InferenceService::GateOpen(int in_transit) const {
   if (loads.empty()) return true;
   int under = 0;
   for (const WorkerRegistry::Load& l : loads) {
-    under += LeastBacklogSeconds({l}) < bound_s ? 1 : 0;  // unfitted: 0 s, so under
+    under += BacklogSeconds(l) < bound_s ? 1 : 0;  // unfitted: 0 s, so under
   }
   // Every worker over the bound: closed until one's backlog drains (it always does: a
   // backlog ends when its prefill returns).
@@ -363,19 +372,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   c.arrival = absl::Now();
   c.deadline =
       std::min(services::FromChronoDeadline(ctx->deadline()), c.arrival + o_.default_timeout);
-  // The tenant's defaults fill what the request leaves unset (checked when the keys were read).
-  const v1::GenerateRequest* effective = req;
-  v1::GenerateRequest with_defaults;
-  if (!defaults.priority.empty() || defaults.ttft_target_ms > 0 || defaults.tpot_target_ms > 0) {
-    with_defaults = *req;
-    if (req->priority() == v1::PRIORITY_UNSPECIFIED && !defaults.priority.empty()) {
-      with_defaults.set_priority(*services::PriorityFromName(defaults.priority));
-    }
-    if (req->ttft_target_ms() == 0) with_defaults.set_ttft_target_ms(defaults.ttft_target_ms);
-    if (req->tpot_target_ms() == 0) with_defaults.set_tpot_target_ms(defaults.tpot_target_ms);
-    effective = &with_defaults;
-  }
-  if (absl::Status st = Prepare(*effective, &c.req); !st.ok()) {
+  if (absl::Status st = Prepare(*req, defaults, &c.req); !st.ok()) {
     failed_++;
     return services::ToGrpcStatus(st);
   }

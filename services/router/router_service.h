@@ -144,8 +144,10 @@ class InferenceService final : public v1::Inference::Service {
                           v1::ListModelsResponse* resp) override;
 
   // Validation and tokenisation alone (INVALID_ARGUMENT naming the field, NOT_FOUND for
-  // another model, UNAVAILABLE before the model is known). Public for tests.
-  absl::Status Prepare(const v1::GenerateRequest& req, PreparedRequest* out) const;
+  // another model, UNAVAILABLE before the model is known), with the tenant's defaults where the
+  // request leaves priority or targets unset. Public for tests.
+  absl::Status Prepare(const v1::GenerateRequest& req, const TenantDefaults& defaults,
+                       PreparedRequest* out) const;
 
   uint64_t requests_ok() const { return ok_.load(); }
   uint64_t requests_failed() const { return failed_.load(); }

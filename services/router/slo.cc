@@ -15,7 +15,7 @@ bool Fitted(const v1::StepCost& c) {
 // (a prefill worker seeing one prompt length); a step never costs less than nothing.
 double Intercept(const v1::StepCost& c) { return std::max(0.0, c.intercept_s()); }
 
-double BacklogSeconds(const WorkerRegistry::Load& l) {
+double Work(const WorkerRegistry::Load& l) {
   return l.backlog_requests * Intercept(l.cost) + l.backlog_tokens * l.cost.prefill_token_s();
 }
 
@@ -29,7 +29,7 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
   for (const WorkerRegistry::Load& l : pool) {
     if (!Fitted(l.cost)) continue;
     ++n;
-    backlog += BacklogSeconds(l);
+    backlog += Work(l);
     intercept += Intercept(l.cost);
     per_token += l.cost.prefill_token_s();
   }
@@ -43,12 +43,8 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
   return p;
 }
 
-double LeastBacklogSeconds(const std::vector<WorkerRegistry::Load>& pool) {
-  double least = std::numeric_limits<double>::infinity();
-  for (const WorkerRegistry::Load& l : pool) {
-    if (Fitted(l.cost)) least = std::min(least, BacklogSeconds(l));
-  }
-  return least == std::numeric_limits<double>::infinity() ? 0 : least;
+double BacklogSeconds(const WorkerRegistry::Load& worker) {
+  return Fitted(worker.cost) ? Work(worker) : 0;
 }
 
 double SloTracker::correction_s() const {

@@ -54,9 +54,9 @@ struct TtftPrediction {
 TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_t ahead_tokens,
                            int ahead_requests, int64_t tokens, double correction_s);
 
-// The smallest backlog, in predicted seconds, of the fitted workers of `pool`; 0 when none is
-// fitted (nothing to hold requests back for).
-double LeastBacklogSeconds(const std::vector<WorkerRegistry::Load>& pool);
+// A worker's backlog in predicted seconds; 0 when its cost is not fitted (nothing to hold
+// requests back for).
+double BacklogSeconds(const WorkerRegistry::Load& worker);
 
 // Learns the correction from each request's predicted and measured TTFT: the stochastic
 // quantile estimate q += step * (tau - [residual <= q]), its step a tenth of the recent mean

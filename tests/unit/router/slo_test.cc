@@ -61,14 +61,14 @@ TEST(SloTest, ANegativeFittedInterceptCountsAsZero) {
   ASSERT_TRUE(p.known) << "the per-token cost alone still predicts";
   EXPECT_NEAR(p.backlog_s, 768 * 2e-4, 1e-12);
   EXPECT_NEAR(p.own_s, 384 * 2e-4, 1e-12);
-  EXPECT_NEAR(LeastBacklogSeconds({Worker(768, 2, -0.02, 2e-4)}), 768 * 2e-4, 1e-12);
+  EXPECT_NEAR(BacklogSeconds(Worker(768, 2, -0.02, 2e-4)), 768 * 2e-4, 1e-12);
 }
 
-TEST(SloTest, LeastBacklogIsTheIdlestFittedWorker) {
-  EXPECT_NEAR(LeastBacklogSeconds({Worker(1000, 2, 1e-3, 1e-5), Worker(100, 1, 1e-3, 1e-5),
-                                   Worker(0, 0, 1e-3, 1e-5, /*steps=*/0)}),
-              1e-3 + 100e-5, 1e-12);
-  EXPECT_EQ(LeastBacklogSeconds({Worker(0, 0, 0, 0, 0)}), 0);
+TEST(SloTest, BacklogIsTheWorkersFittedCostOfItsWorkAndZeroUnfitted) {
+  EXPECT_NEAR(BacklogSeconds(Worker(1000, 2, 1e-3, 1e-5)), 2e-3 + 1000e-5, 1e-12);
+  EXPECT_NEAR(BacklogSeconds(Worker(100, 1, 1e-3, 1e-5)), 1e-3 + 100e-5, 1e-12);
+  EXPECT_EQ(BacklogSeconds(Worker(100, 1, 1e-3, 1e-5, /*steps=*/0)), 0);
+  EXPECT_EQ(BacklogSeconds(Worker(0, 0, 0, 0, 0)), 0);
 }
 
 TEST(SloTest, CorrectionSettlesOnThe90thPercentileOfTheResidualsEitherWay) {
