@@ -57,8 +57,8 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
   recommended_decode_ = &replicas.Add({{"model_name", model_name}, {"role", "decode"}});
   slo_rejected_ = &prometheus::BuildCounter()
                        .Name(absl::StrCat(services::kMetricPrefix, "slo_rejected_total"))
-                       .Help("Requests refused at arrival because their predicted time to first "
-                             "token was past their target.")
+                       .Help("Requests refused for their time to first token target: at arrival "
+                             "(predicted past it) or in the queue (no longer reachable).")
                        .Register(metrics_->registry());
   for (const char* p : {"interactive", "standard", "batch"}) {
     slo_rejected_->Add({{"model_name", model_name}, {"role", "router"}, {"priority", p}});

@@ -5,8 +5,8 @@
 //     prefix_onboarding_host, prefix_onboarding_ssd, first_decode_step;
 //   tandem_recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
 //     rule over the last AutoscaleOptions::window of observations;
-//   tandem_slo_rejected_total{model_name,role="router",priority}  counter: requests refused at
-//     arrival because their predicted TTFT was past their target (slo.h), by class.
+//   tandem_slo_rejected_total{model_name,role="router",priority}  counter: requests refused for
+//     their TTFT target (slo.h), at arrival or after waiting past it in the queue, by class.
 // Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
 // gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
 // outcome; queue time arrival -> admission; running/waiting are admission's counts;

@@ -83,9 +83,8 @@ struct RouterOptions {
   absl::Duration retry_budget = absl::Seconds(30);     // waiting for room in full pools
   int max_inflight = 256;
   int max_queue = 1024;
-  // SLO admission (slo.h): while the least-loaded prefilling worker's predicted backlog is
-  // longer than this, requests wait in the router's priority queue instead of the worker's
-  // FIFO one. Zero: requests go to the workers as soon as they hold a slot.
+  // SLO admission (slo.h): while every prefilling worker's predicted backlog is longer than
+  // this, requests wait in the router's priority queue instead of the worker's FIFO one. Zero: requests go to the workers as soon as they hold a slot.
   absl::Duration max_prefill_backlog = absl::ZeroDuration();
   int kv_block_size = 16;  // the workers' block size, for load accounting only
   Policy policy = Policy::kLeastLoad;

@@ -22,8 +22,9 @@
 //
 // The router refuses at once (RESOURCE_EXHAUSTED, with retry-after) a request whose target is
 // below its prediction, rather than letting it wait to miss; and with a backlog bound
-// (RouterOptions::max_prefill_backlog) it keeps requests in its priority queue while the
-// least-loaded worker's backlog is over the bound, so the most urgent class goes first.
+// (RouterOptions::max_prefill_backlog) it keeps requests in its priority queue while every
+// worker's backlog is over the bound, so the most urgent class goes first; a queued request
+// leaves once it can no longer make its target.
 // Workers that have not fitted their cost yet (fewer than kMinFittedSteps steps) are left out;
 // with none fitted there is no prediction and nothing is refused.
 //
