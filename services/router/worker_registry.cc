@@ -17,6 +17,17 @@ std::string Stem(const std::string& name) {
   return s;
 }
 
+int PoolOf(v1::WorkerRole role) {
+  switch (role) {
+    case v1::WORKER_ROLE_PREFILL:
+      return static_cast<int>(Pool::kPrefill);
+    case v1::WORKER_ROLE_DECODE:
+      return static_cast<int>(Pool::kDecode);
+    default:
+      return static_cast<int>(Pool::kColocated);
+  }
+}
+
 bool RoleInPool(v1::WorkerRole role, Pool pool) {
   switch (pool) {
     case Pool::kPrefill:
@@ -119,11 +130,13 @@ absl::Status WorkerRegistry::Register(const v1::RegisterRequest& req) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = Now();
   Worker& w = workers_[req.worker_id()];
+  Unindex(w);
   w = Worker{};
   w.reg = req;
   w.lease_expiry = now + o_.lease;
   w.last_heartbeat = now;
   w.generation = next_generation_++;
+  Reindex(w);
   return absl::OkStatus();
 }
 
@@ -135,7 +148,7 @@ bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& req) {
   const absl::Time now = Now();
   if (now >= w.lease_expiry) {
     // Too late: the worker was already invisible to Pick. Forget it so it registers afresh.
-    workers_.erase(it);
+    Erase(it);
     return false;
   }
   w.lease_expiry = now + o_.lease;
@@ -146,12 +159,16 @@ bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& req) {
     w.pending_blocks = 0;  // the report now includes what was picked before it
   }
   w.draining = w.draining || req.draining();
+  Reindex(w);
   return true;
 }
 
 bool WorkerRegistry::Deregister(const std::string& worker_id) {
   absl::MutexLock lock(&mu_);
-  return workers_.erase(worker_id) > 0;
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return false;
+  Erase(it);
+  return true;
 }
 
 std::vector<std::string> WorkerRegistry::ExpireLeases() {
@@ -161,7 +178,7 @@ std::vector<std::string> WorkerRegistry::ExpireLeases() {
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (now >= it->second.lease_expiry) {
       gone.push_back(it->first);
-      it = workers_.erase(it);
+      it = Erase(it);
     } else {
       ++it;
     }
@@ -173,15 +190,50 @@ bool WorkerRegistry::Eligible(const Worker& w, Pool pool, absl::Time now) const 
   return !w.draining && now < w.lease_expiry && RoleInPool(w.reg.role(), pool);
 }
 
+WorkerRegistry::PickKey WorkerRegistry::KeyOf(const Worker& w) const {
+  // Smaller key wins. Free blocks are negated so that more free sorts first.
+  if (o_.policy == Policy::kRoundRobin) return {0, 0, 0, w.last_pick};
+  if (w.reg.role() != v1::WORKER_ROLE_PREFILL) {
+    const int64_t free =
+        (w.have_stats ? w.stats.kv_blocks_free() : w.reg.kv_blocks_total()) - w.pending_blocks;
+    return {-free, w.inflight, w.have_stats ? w.stats.running() : 0, w.last_pick};
+  }
+  const int64_t reported = w.have_stats ? w.stats.running() + w.stats.waiting() : 0;
+  return {w.inflight, reported, 0, w.last_pick};
+}
+
+void WorkerRegistry::Unindex(Worker& w) {
+  if (!w.indexed) return;
+  index_[PoolOf(w.reg.role())].erase({w.key, &w});
+  w.indexed = false;
+}
+
+void WorkerRegistry::Reindex(Worker& w) {
+  Unindex(w);
+  if (w.draining) return;
+  w.key = KeyOf(w);
+  index_[PoolOf(w.reg.role())].insert({w.key, &w});
+  w.indexed = true;
+}
+
+std::map<std::string, WorkerRegistry::Worker>::iterator WorkerRegistry::Erase(
+    std::map<std::string, Worker>::iterator it) {
+  Unindex(it->second);
+  return workers_.erase(it);
+}
+
 PlanKind WorkerRegistry::Plan() const {
   absl::ReaderMutexLock lock(&mu_);
   const absl::Time now = Now();
-  bool prefill = false, decode = false, both = false;
-  for (const auto& [id, w] : workers_) {
-    prefill |= Eligible(w, Pool::kPrefill, now);
-    decode |= Eligible(w, Pool::kDecode, now);
-    both |= Eligible(w, Pool::kColocated, now);
-  }
+  // A pool can serve when one of its indexed (not draining) workers holds a lease.
+  auto any = [&](Pool pool) {
+    for (const auto& [key, w] : index_[static_cast<int>(pool)]) {
+      if (now < w->lease_expiry) return true;
+    }
+    return false;
+  };
+  const bool prefill = any(Pool::kPrefill), decode = any(Pool::kDecode);
+  const bool both = any(Pool::kColocated);
   if (prefill && decode) return PlanKind::kDisaggregated;
   if (both) return PlanKind::kColocated;
   return PlanKind::kNone;
@@ -191,32 +243,12 @@ Assignment WorkerRegistry::Pick(Pool pool, int64_t kv_blocks,
                                 const absl::flat_hash_set<std::string>& exclude) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = Now();
-  const bool kv_pool = pool != Pool::kPrefill;
-  Worker* best = nullptr;
-  // Smaller key wins. Free blocks are negated so that more free sorts first.
-  using Key = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
-  Key best_key{};
-  for (auto& [id, w] : workers_) {
-    if (!Eligible(w, pool, now) || exclude.contains(id)) continue;
-    Key key;
-    if (o_.policy == Policy::kRoundRobin) {
-      key = {0, 0, 0, w.last_pick};
-    } else if (kv_pool) {
-      const int64_t free =
-          (w.have_stats ? w.stats.kv_blocks_free() : w.reg.kv_blocks_total()) - w.pending_blocks;
-      key = {-free, w.inflight, w.have_stats ? w.stats.running() : 0, w.last_pick};
-    } else {
-      const int64_t reported = w.have_stats ? w.stats.running() + w.stats.waiting() : 0;
-      key = {w.inflight, reported, 0, w.last_pick};
-    }
-    // std::map iterates in id order, so equal keys resolve to the smallest id.
-    if (best == nullptr || key < best_key) {
-      best = &w;
-      best_key = key;
-    }
+  // The first worker in the pool's order that holds a lease and is not excluded.
+  for (const auto& [key, w] : index_[static_cast<int>(pool)]) {
+    if (now >= w->lease_expiry || exclude.contains(w->reg.worker_id())) continue;
+    return AssignLocked(w, pool != Pool::kPrefill, kv_blocks);
   }
-  if (best == nullptr) return Assignment();
-  return AssignLocked(best, kv_pool, kv_blocks);
+  return Assignment();
 }
 
 Assignment WorkerRegistry::AssignLocked(Worker* best, bool kv_pool, int64_t kv_blocks) {
@@ -225,6 +257,7 @@ Assignment WorkerRegistry::AssignLocked(Worker* best, bool kv_pool, int64_t kv_b
   best->routed++;
   best->last_pick = ++pick_seq_;
   if (kv_pool) best->pending_blocks += kv_blocks;
+  Reindex(*best);
   a.registry_ = this;
   a.worker_id_ = best->reg.worker_id();
   a.address_ = best->reg.address();
@@ -260,6 +293,7 @@ void WorkerRegistry::Unassign(const std::string& id, uint64_t generation) {
   auto it = workers_.find(id);
   if (it == workers_.end() || it->second.generation != generation) return;
   if (it->second.inflight > 0) it->second.inflight--;
+  if (it->second.indexed) Reindex(it->second);
 }
 
 void WorkerRegistry::AddBacklog(const std::string& id, uint64_t generation, int64_t tokens,

@@ -25,11 +25,14 @@
 // FAILED_PRECONDITION for a worker serving another model.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -141,6 +144,8 @@ class WorkerRegistry {
 
  private:
   friend class Assignment;
+  // Pick's order within a pool: the smallest key wins (see Pick), ties to the smallest id.
+  using PickKey = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
   struct Worker {
     v1::RegisterRequest reg;
     v1::WorkerStats stats;
@@ -155,17 +160,38 @@ class WorkerRegistry {
     uint64_t last_pick = 0;  // pick sequence number; 0 = never
     int64_t backlog_tokens = 0;  // Assignment::StartBacklog
     int32_t backlog_requests = 0;
+    PickKey key{};  // its place in index_, valid while indexed
+    bool indexed = false;
   };
+  struct ByKey {
+    bool operator()(const std::pair<PickKey, Worker*>& a,
+                    const std::pair<PickKey, Worker*>& b) const {
+      if (a.first != b.first) return a.first < b.first;
+      return a.second->reg.worker_id() < b.second->reg.worker_id();
+    }
+  };
+  using Index = std::set<std::pair<PickKey, Worker*>, ByKey>;
   absl::Time Now() const { return o_.clock ? o_.clock() : absl::Now(); }
   bool Eligible(const Worker& w, Pool pool, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Unassign(const std::string& id, uint64_t generation);
   void AddBacklog(const std::string& id, uint64_t generation, int64_t tokens, int32_t requests);
   Assignment AssignLocked(Worker* w, bool kv_pool, int64_t kv_blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PickKey KeyOf(const Worker& w) const;
+  // Takes the worker out of its pool's order; Reindex puts it back under its current key
+  // (not when draining: it is never picked again).
+  void Unindex(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Reindex(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases a worker, and from the index first.
+  std::map<std::string, Worker>::iterator Erase(std::map<std::string, Worker>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RegistryOptions o_;
   mutable absl::Mutex mu_;
   std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  // Per pool (Pool's value), its workers that are not draining, in pick order. Workers whose
+  // lease ran out stay until ExpireLeases or a late heartbeat; Pick passes over them.
+  std::array<Index, 3> index_ ABSL_GUARDED_BY(mu_);
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t pick_seq_ ABSL_GUARDED_BY(mu_) = 0;
 };

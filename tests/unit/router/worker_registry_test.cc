@@ -3,7 +3,10 @@
 #include "services/router/worker_registry.h"
 
 #include <atomic>
+#include <map>
+#include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -298,6 +301,120 @@ TEST_F(RegistryTest, ConcurrentPicksAndReleasesBalanceOut) {
     EXPECT_GT(w.requests_routed(), 100u) << "selection should spread the load";
   }
   EXPECT_EQ(routed, 2000u);
+}
+
+// The pick order is kept incrementally (an index per pool); a scan over the test's own record
+// of every worker must agree with it at every pick, through random registrations, heartbeats,
+// releases, drains, deregistrations and lease expiries.
+TEST_F(RegistryTest, IndexedPickAgreesWithAScanThroughRandomChanges) {
+  for (Policy policy : {Policy::kLeastLoad, Policy::kRoundRobin}) {
+    auto r = Make(policy);
+    struct Ref {
+      v1::WorkerRole role;
+      int64_t total = 0, free = 0, running = 0, waiting = 0, pending = 0;
+      bool stats = false, draining = false;
+      int inflight = 0;
+      uint64_t last_pick = 0;
+      absl::Time expiry;
+      int gen = 0;  // a release counts only against the registration it was picked from
+    };
+    std::map<std::string, Ref> ref;
+    struct Held {
+      Assignment a;
+      std::string id;
+      int gen;
+    };
+    std::vector<Held> held;
+    std::mt19937 rng(7);
+    uint64_t seq = 0;
+    int gens = 0;
+    auto pick_ref = [&](Pool pool, const absl::flat_hash_set<std::string>& exclude) {
+      std::string best;
+      std::tuple<int64_t, int64_t, int64_t, uint64_t> best_key;
+      for (const auto& [id, w] : ref) {
+        const bool in = pool == Pool::kPrefill   ? w.role == v1::WORKER_ROLE_PREFILL
+                        : pool == Pool::kDecode ? w.role == v1::WORKER_ROLE_DECODE
+                                                : w.role == v1::WORKER_ROLE_BOTH;
+        if (!in || w.draining || clock_.Now() >= w.expiry || exclude.contains(id)) continue;
+        std::tuple<int64_t, int64_t, int64_t, uint64_t> key;
+        if (policy == Policy::kRoundRobin) {
+          key = {0, 0, 0, w.last_pick};
+        } else if (pool != Pool::kPrefill) {
+          key = {-((w.stats ? w.free : w.total) - w.pending), w.inflight,
+                 w.stats ? w.running : 0, w.last_pick};
+        } else {
+          key = {w.inflight, w.stats ? w.running + w.waiting : 0, 0, w.last_pick};
+        }
+        if (best.empty() || key < best_key) {
+          best = id;
+          best_key = key;
+        }
+      }
+      return best;
+    };
+    const v1::WorkerRole roles[] = {v1::WORKER_ROLE_PREFILL, v1::WORKER_ROLE_DECODE,
+                                    v1::WORKER_ROLE_BOTH};
+    int picks = 0;
+    for (int step = 0; step < 4000; ++step) {
+      const int op = static_cast<int>(rng() % 100);
+      const std::string id = "w" + std::to_string(rng() % 12);
+      if (op < 8) {  // (re-)register
+        const v1::WorkerRole role = roles[rng() % 3];
+        const int blocks = static_cast<int>(rng() % 50);
+        ASSERT_TRUE(r->Register(Reg(id, role, blocks)).ok());
+        ref[id] = Ref{role, blocks};
+        ref[id].expiry = clock_.Now() + absl::Seconds(3);
+        ref[id].gen = ++gens;
+      } else if (op < 25) {  // heartbeat, sometimes without stats or draining
+        v1::HeartbeatRequest h = Beat(id, static_cast<int>(rng() % 50),
+                                      static_cast<int>(rng() % 4), rng() % 20 == 0);
+        h.mutable_stats()->set_waiting(static_cast<int>(rng() % 3));
+        if (rng() % 4 == 0) h.clear_stats();
+        const bool known = r->Heartbeat(h);
+        auto it = ref.find(id);
+        const bool live = it != ref.end() && clock_.Now() < it->second.expiry;
+        ASSERT_EQ(known, live) << id;
+        if (it != ref.end() && !live) ref.erase(it);
+        if (live) {
+          Ref& w = it->second;
+          w.expiry = clock_.Now() + absl::Seconds(3);
+          if (h.has_stats()) {
+            w.stats = true;
+            w.free = h.stats().kv_blocks_free();
+            w.running = h.stats().running();
+            w.waiting = h.stats().waiting();
+            w.pending = 0;
+          }
+          w.draining = w.draining || h.draining();
+        }
+      } else if (op < 30) {
+        EXPECT_EQ(r->Deregister(id), ref.erase(id) > 0);
+      } else if (op < 33) {
+        clock_.Advance(absl::Milliseconds(rng() % 1500));
+      } else if (op < 60 && !held.empty()) {  // release one
+        const size_t i = rng() % held.size();
+        auto it = ref.find(held[i].id);
+        if (it != ref.end() && it->second.gen == held[i].gen) it->second.inflight--;
+        held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        const Pool pool = static_cast<Pool>(rng() % 3);
+        absl::flat_hash_set<std::string> exclude;
+        if (rng() % 3 == 0) exclude.insert("w" + std::to_string(rng() % 12));
+        const int64_t blocks = static_cast<int64_t>(rng() % 5);
+        const std::string want = pick_ref(pool, exclude);
+        Assignment a = r->Pick(pool, blocks, exclude);
+        ASSERT_EQ(a ? a.worker_id() : "", want) << "step " << step;
+        if (!a) continue;
+        ++picks;
+        Ref& w = ref[want];
+        w.inflight++;
+        w.last_pick = ++seq;
+        if (pool != Pool::kPrefill) w.pending += blocks;
+        held.push_back(Held{std::move(a), want, w.gen});
+      }
+    }
+    EXPECT_GT(picks, 500);
+  }
 }
 
 }  // namespace
