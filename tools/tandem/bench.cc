@@ -24,6 +24,7 @@
 #include "services/common/tls.h"
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tools/tandem/bench_plot.h"
+#include "tools/tandem/bench_report.h"
 #include "tools/tandem/bench_stats.h"
 #include "tools/tandem/bench_workload.h"
 
@@ -34,6 +35,7 @@ using Clock = std::chrono::steady_clock;
 using bench::BenchStats;
 using bench::PlannedRequest;
 using bench::RequestResult;
+using bench::Run;
 
 double SecondsBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -95,14 +97,6 @@ class SessionGate {
   std::condition_variable cv_;
   std::vector<int> done_;
 };
-
-// A class's SLO: the run's --slo, with the class's own targets over it.
-bench::Slo ClassSlo(const bench::Slo& run_slo, const bench::RequestClass& c) {
-  bench::Slo s = run_slo;
-  if (c.ttft_ms > 0) s.ttft_ms = c.ttft_ms;
-  if (c.tpot_ms > 0) s.tpot_ms = c.tpot_ms;
-  return s;
-}
 
 RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
                       const std::vector<bench::RequestClass>& classes, const PlannedRequest& p,
@@ -172,17 +166,6 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
   return r;
 }
 
-struct Run {
-  std::string label;
-  bool open_loop = false;
-  double rate = 0;
-  int concurrency = 0;
-  std::vector<RequestResult> results;
-  BenchStats stats;
-  std::vector<BenchStats> class_stats;  // per class of the mix
-  std::vector<size_t> class_refused;    // RESOURCE_EXHAUSTED answers per class
-};
-
 // Sends every planned request once; fills run.results (in plan order) and run.stats.
 void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
              const std::vector<bench::RequestClass>& classes, const std::vector<double>& arrivals,
@@ -237,121 +220,9 @@ void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
   }
   for (std::thread& t : threads) t.join();
   const double duration = *std::max_element(ends.begin(), ends.end());
-  run.stats = bench::ComputeStats(run.results, duration, slo);
-  if (classes.empty()) return;
-  run.stats.good_requests = 0;
-  for (size_t k = 0; k < classes.size(); ++k) {
-    std::vector<RequestResult> mine;
-    size_t refused = 0;
-    for (size_t i = 0; i < plan.size(); ++i) {
-      if (plan[i].cls != static_cast<int>(k)) continue;
-      mine.push_back(run.results[i]);
-      refused += run.results[i].status_code == static_cast<int>(grpc::RESOURCE_EXHAUSTED);
-    }
-    run.class_stats.push_back(bench::ComputeStats(mine, duration, ClassSlo(slo, classes[k])));
-    run.class_refused.push_back(refused);
-    run.stats.good_requests += run.class_stats.back().good_requests;
-  }
-  run.stats.goodput = duration > 0 ? static_cast<double>(run.stats.good_requests) / duration : 0;
-}
-
-nlohmann::json RunJson(const Run& run, const std::vector<PlannedRequest>& plan,
-                       const std::vector<bench::RequestClass>& classes) {
-  nlohmann::json j = bench::StatsJson(run.stats);
-  j["label"] = run.label;
-  j["mode"] = run.open_loop ? "open" : "closed";
-  j["request_rate"] = run.open_loop ? nlohmann::json(run.rate) : nlohmann::json(nullptr);
-  j["concurrency"] = run.concurrency;
-  // The router's own view of where TTFT went (means over successful requests, ms).
-  double q = 0, pf = 0, kv = 0, ob = 0, fd = 0;
-  int ok = 0;
-  nlohmann::json reqs = nlohmann::json::array();
-  std::vector<std::string> errors;
-  for (size_t i = 0; i < run.results.size(); ++i) {
-    const RequestResult& r = run.results[i];
-    nlohmann::json e = {{"ok", r.ok},
-                        {"start_s", r.start_s},
-                        {"prompt_tokens", r.prompt_tokens},
-                        {"output_tokens", r.output_tokens},
-                        {"ttft_ms", r.ttft_s * 1000},
-                        {"e2e_ms", r.e2e_s * 1000},
-                        {"tpot_ms", std::max(bench::Tpot(r), 0.0) * 1000}};
-    if (plan[i].cls >= 0) e["class"] = classes[static_cast<size_t>(plan[i].cls)].name;
-    if (r.ok) {  // the router's breakdown of this request's TTFT
-      e["server_queue_ms"] = r.server_queue_s * 1000;
-      e["server_prefill_ms"] = r.server_prefill_s * 1000;
-    }
-    if (!r.ok) {
-      e["error"] = r.error;
-      if (errors.size() < 5) errors.push_back(r.error);
-    } else {
-      ok++;
-      q += r.server_queue_s;
-      pf += r.server_prefill_s;
-      kv += r.server_kv_transfer_s;
-      ob += r.server_onboarding_s;
-      fd += r.server_first_decode_s;
-    }
-    reqs.push_back(std::move(e));
-  }
-  const double k = ok > 0 ? 1000.0 / ok : 0;
-  j["server_ttft_breakdown_ms"] = {{"queue", q * k},
-                                   {"prefill_compute", pf * k},
-                                   {"kv_transfer", kv * k},
-                                   {"prefix_onboarding", ob * k},
-                                   {"first_decode_step", fd * k}};
-  j["errors"] = errors;
-  if (!classes.empty()) {
-    j["classes"] = nlohmann::json::array();
-    for (size_t k = 0; k < classes.size(); ++k) {
-      nlohmann::json c = bench::StatsJson(run.class_stats[k]);
-      c["name"] = classes[k].name;
-      c["weight"] = classes[k].weight;
-      c["ttft_target_ms"] = classes[k].ttft_ms;
-      c["tpot_target_ms"] = classes[k].tpot_ms;
-      c["refused"] = run.class_refused[k];
-      j["classes"].push_back(std::move(c));
-    }
-  }
-  j["requests"] = std::move(reqs);
-  return j;
-}
-
-void PrintSummary(const Run& run, const bench::Slo& slo,
-                  const std::vector<bench::RequestClass>& classes) {
-  const BenchStats& s = run.stats;
-  std::printf("============ tandem bench: %s ============\n", run.label.c_str());
-  std::printf("%-34s %zu\n%-34s %zu\n%-34s %.2f\n", "Successful requests:", s.completed,
-              "Failed requests:", s.failed, "Duration (s):", s.duration_s);
-  std::printf("%-34s %lld\n%-34s %lld\n",
-              "Total input tokens:", static_cast<long long>(s.total_input_tokens),
-              "Total generated tokens:", static_cast<long long>(s.total_output_tokens));
-  std::printf("%-34s %.2f\n%-34s %.2f\n%-34s %.2f\n",
-              "Request throughput (req/s):", s.request_throughput,
-              "Output token throughput (tok/s):", s.output_token_throughput,
-              "Total token throughput (tok/s):", s.total_token_throughput);
-  if (slo.any() || !classes.empty()) {
-    std::printf("%-34s %.2f\n", "Request goodput (req/s):", s.goodput);
-  }
-  if (s.spec_verify_steps > 0) {
-    std::printf("%-34s %lld of %lld (%.1f%%)\n%-34s %.2f\n",
-                "Draft tokens accepted:", static_cast<long long>(s.spec_accepted_tokens),
-                static_cast<long long>(s.spec_draft_tokens), 100.0 * s.spec_acceptance_rate,
-                "Mean tokens per verify step:", s.spec_mean_accept_length);
-  }
-  const std::pair<const char*, const bench::Summary*> rows[] = {
-      {"TTFT", &s.ttft_ms}, {"TPOT", &s.tpot_ms}, {"ITL", &s.itl_ms}, {"E2E", &s.e2e_ms}};
-  for (const auto& [name, sum] : rows) {
-    std::printf("%-5s (ms): mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f\n", name, sum->mean,
-                sum->p50, sum->p90, sum->p99);
-  }
-  for (size_t k = 0; k < classes.size(); ++k) {
-    const BenchStats& c = run.class_stats[k];
-    std::printf("class %-11s ok %4zu  refused %4zu  goodput %7.2f req/s  TTFT p50 %8.1f  p90 %8.1f ms\n",
-                classes[k].name.c_str(), c.completed, run.class_refused[k], c.goodput,
-                c.ttft_ms.p50, c.ttft_ms.p90);
-  }
-  std::fflush(stdout);
+  std::vector<int> cls(plan.size());
+  for (size_t i = 0; i < plan.size(); ++i) cls[i] = plan[i].cls;
+  bench::ComputeRunStats(run, cls, classes, duration, slo);
 }
 
 }  // namespace
@@ -453,7 +324,7 @@ absl::Status RunBench(const BenchOptions& o) {
       arrivals = std::move(*a);
     }
     Execute(o, *plan, *classes, arrivals, *slo, channel, run);
-    PrintSummary(run, *slo, *classes);
+    bench::PrintSummary(run, *slo, *classes);
   }
 
   std::string plot_note;
@@ -488,7 +359,9 @@ absl::Status RunBench(const BenchOptions& o) {
         {"mix", o.mix},
         {"send_targets", o.send_targets}};
     j["runs"] = nlohmann::json::array();
-    for (const Run& r : runs) j["runs"].push_back(RunJson(r, *plan, *classes));
+    std::vector<int> cls(plan->size());
+    for (size_t i = 0; i < plan->size(); ++i) cls[i] = (*plan)[i].cls;
+    for (const Run& r : runs) j["runs"].push_back(bench::RunJson(r, cls, *classes));
     j["plot"] = o.plot_png.empty() || !plot_note.empty() ? nlohmann::json(nullptr)
                                                          : nlohmann::json(o.plot_png);
     if (!plot_note.empty()) j["plot_skipped"] = plot_note;
