@@ -9,11 +9,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -152,6 +154,116 @@ TEST(BenchIntegrationTest, ClosedAndOpenLoopAgainstARealCluster) {
   EXPECT_DOUBLE_EQ(s["runs"][1]["request_rate"].get<double>(), 40);
   ASSERT_TRUE(fs::exists(sweep_png));
   EXPECT_TRUE(IsPng(sweep_png));
+}
+
+// `tandem simulate` replays a measured run with the step costs the cluster's own workers
+// fitted, and writes the JSON `tandem bench` writes: every field of the measured run's summary
+// and per-request records is there, for every request.
+TEST(BenchIntegrationTest, SimulateReplaysAMeasuredRunWithTheWorkersOwnCosts) {
+  if (!fs::exists(kModel)) GTEST_SKIP() << kModel << " is missing";
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("tandem-sim-it-", getpid());
+  fs::remove_all(dir);
+  std::string out;
+  ASSERT_EQ(Tandem(absl::StrCat("cluster up --model ", Quote(kModel.string()),
+                                " --prefill 1 --decode 1 --dir ", Quote(dir.string()),
+                                " --router-port 0 --threads 1 --timeout-ms 30000"),
+                   &out),
+            0)
+      << out;
+  struct Down {
+    fs::path dir;
+    ~Down() {
+      std::string o;
+      Tandem(absl::StrCat("cluster down --grace-ms 3000 --dir ", Quote(dir.string())), &o);
+      if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+    }
+  } down{dir};
+  const std::string router =
+      json::parse(Slurp(dir / "cluster.json"))["router"].get<std::string>();
+  const fs::path measured = dir / "measured.json", simulated = dir / "simulated.json";
+  constexpr int kRequests = 40;
+  ASSERT_EQ(Tandem(absl::StrCat("bench --router ", router, " --num-requests ", kRequests,
+                                " --request-rate 20 --input-len 24 --output-len 6",
+                                " --mix interactive:1:ttft=5000,batch:1 --seed 4 --quiet --out ",
+                                Quote(measured.string())),
+                   &out),
+            0)
+      << out;
+  // Heartbeats carry the fits: wait for one after the run.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ASSERT_EQ(Tandem(absl::StrCat("simulate --cost-from ", router, " --trace ",
+                                Quote(measured.string()), " --prefill 1 --decode 1 --out ",
+                                Quote(simulated.string())),
+                   &out),
+            0)
+      << out;
+  const json m = json::parse(Slurp(measured)), s = json::parse(Slurp(simulated));
+  for (const auto& [key, value] : m["runs"][0].items()) {
+    EXPECT_TRUE(s["runs"][0].contains(key)) << key;
+  }
+  for (const auto& [key, value] : m["runs"][0]["requests"][0].items()) {
+    EXPECT_TRUE(s["runs"][0]["requests"][0].contains(key)) << key;
+  }
+  ASSERT_EQ(s["runs"][0]["requests"].size(), static_cast<size_t>(kRequests));
+  EXPECT_EQ(s["completed"].get<int>(), kRequests) << s["runs"][0]["errors"].dump();
+  EXPECT_EQ(s["runs"][0]["classes"].size(), 2u);
+  EXPECT_EQ(s["runs"][0]["classes"][0]["ttft_target_ms"].get<double>(),
+            m["runs"][0]["classes"][0]["ttft_target_ms"].get<double>());
+  for (size_t i = 0; i < kRequests; ++i) {
+    EXPECT_EQ(s["runs"][0]["requests"][i]["start_s"], m["runs"][0]["requests"][i]["start_s"]);
+    EXPECT_GT(s["runs"][0]["requests"][i]["ttft_ms"].get<double>(), 0);
+  }
+  const std::string source = s["simulated"]["costs"]["source"].get<std::string>();
+  EXPECT_NE(source.find(router), std::string::npos) << source;
+  // Every prompt had 24 tokens: the fit may put the whole prefill in its intercept.
+  const json& p = s["simulated"]["costs"]["prefill"];
+  EXPECT_GT(p["intercept_s"].get<double>() + 24 * p["prefill_token_s"].get<double>(), 0);
+  for (const char* role : {"prefill", "decode", "colocated"}) {
+    for (const auto& [k, v] : s["simulated"]["costs"][role].items()) EXPECT_GE(v.get<double>(), 0);
+  }
+}
+
+// `tandem simulate --model` fits the step costs here, and `tandem plan` sizes pools from them.
+TEST(BenchIntegrationTest, SimulateFitsCostsFromTheModelAndPlanUsesThem) {
+  if (!fs::exists(kModel)) GTEST_SKIP() << kModel << " is missing";
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("tandem-plan-it-", getpid());
+  fs::create_directories(dir);
+  const fs::path costs = dir / "costs.json", simulated = dir / "sim.json";
+  std::string out;
+  ASSERT_EQ(Tandem(absl::StrCat("simulate --model ", Quote(kModel.string()),
+                                " --save-cost ", Quote(costs.string()),
+                                " --colocated 2 --rate 50 --num-requests 300 --input-len 64",
+                                " --output-len 8 --slo ttft:1000 --quiet --out ",
+                                Quote(simulated.string())),
+                   &out),
+            0)
+      << out;
+  const json c = json::parse(Slurp(costs));
+  for (const char* role : {"prefill", "decode", "colocated"}) {
+    EXPECT_GT(c[role]["prefill_token_s"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c[role]["intercept_s"].get<double>() + c[role]["decode_seq_s"].get<double>(), 0);
+  }
+  const json s = json::parse(Slurp(simulated));
+  EXPECT_EQ(s["completed"].get<int>(), 300);
+  EXPECT_EQ(s["simulated"]["colocated"].get<int>(), 2);
+  ASSERT_EQ(Tandem(absl::StrCat("plan --cost ", Quote(costs.string()),
+                                " --rate 20 --isl 64 --osl 8 --slo ttft:500,tpot:100 --json"),
+                   &out),
+            0)
+      << out;
+  const json p = json::parse(out);
+  EXPECT_TRUE(p["pick"] == "colocated" || p["pick"] == "disaggregated") << out;
+  EXPECT_GE(p["colocated"]["attained"].get<double>(), 0.99) << out;
+  EXPECT_LE(p["wall_s"].get<double>(), 5.0);
+  // Options it cannot use are refused.
+  EXPECT_NE(Tandem(absl::StrCat("plan --cost ", Quote(costs.string()),
+                                " --rate 20 --isl 0 --slo ttft:500"),
+                   &out),
+            0);
+  EXPECT_NE(out.find("histogram"), std::string::npos) << out;
+  EXPECT_NE(Tandem("simulate --colocated 1 --rate 5 --num-requests 5", &out), 0);
+  EXPECT_NE(out.find("exactly one of"), std::string::npos) << out;
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -324,21 +324,6 @@ absl::StatusOr<int> WaitForPortFile(const State& s, const Proc& p, absl::Time de
   }
 }
 
-absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& router,
-                                                        absl::Duration timeout) {
-  auto stub =
-      v1::Registry::NewStub(services::CreateClientChannel(router));
-  grpc::ClientContext cc;
-  cc.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  v1::ListWorkersResponse resp;
-  const grpc::Status gs = stub->ListWorkers(&cc, v1::ListWorkersRequest(), &resp);
-  if (!gs.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(gs.error_code()),
-                        absl::StrCat("router ", router, ": ", gs.error_message()));
-  }
-  return std::vector<v1::WorkerInfo>(resp.workers().begin(), resp.workers().end());
-}
-
 // Asks the worker itself: heartbeat copies in the registry can be a lease period old.
 void RefreshStats(v1::WorkerInfo* w) {
   auto channel = services::CreateClientChannel(w->address());
@@ -504,6 +489,21 @@ absl::Status CheckBinaries(const State& s, const std::vector<std::string>& roles
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& router,
+                                                        absl::Duration timeout) {
+  auto stub =
+      v1::Registry::NewStub(services::CreateClientChannel(router));
+  grpc::ClientContext cc;
+  cc.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  v1::ListWorkersResponse resp;
+  const grpc::Status gs = stub->ListWorkers(&cc, v1::ListWorkersRequest(), &resp);
+  if (!gs.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(gs.error_code()),
+                        absl::StrCat("router ", router, ": ", gs.error_message()));
+  }
+  return std::vector<v1::WorkerInfo>(resp.workers().begin(), resp.workers().end());
+}
 
 absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout) {
   grpc::GenericStub stub(services::CreateClientChannel(address));

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "services/common/tls.h"
+#include "tandem/v1/worker.pb.h"
 
 namespace tandem::tools {
 
@@ -88,5 +89,9 @@ absl::Status ClusterRemove(const std::string& dir, const std::string& name,
 // grpc.health.v1.Health/Check of the whole server (service ""): true when SERVING. An
 // unreachable server is UNAVAILABLE (or DEADLINE_EXCEEDED).
 absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout);
+
+// Registry.ListWorkers of one router.
+absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& router,
+                                                        absl::Duration timeout);
 
 }  // namespace tandem::tools

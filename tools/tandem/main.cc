@@ -16,6 +16,7 @@
 #include "tools/tandem/cluster.h"
 #include "tools/tandem/generate.h"
 #include "tools/tandem/model_tools.h"
+#include "tools/tandem/simulate.h"
 
 namespace {
 
@@ -318,6 +319,75 @@ int main(int argc, char** argv) {
     }
     rc = Report(tandem::tools::RunBench(bo));
   });
+
+  // simulate and plan share the cost sources and the per-worker settings.
+  auto add_costs = [](CLI::App* c, tandem::tools::CostSources* s) {
+    c->add_option("--cost", s->cost_file, "Step costs JSON (docs/perf/costs/)");
+    c->add_option("--cost-from", s->cost_from,
+                  "Router host:port: the step costs its workers have fitted");
+    c->add_option("--model", s->model, "GGUF model: fit the step costs on this machine");
+    c->add_option("--threads", s->threads, "Engine threads when fitting with --model");
+    c->add_option("--save-cost", s->save_cost, "Write the step costs used to this JSON");
+    c->add_option("--dispatch-ms", s->dispatch_ms, "Router to worker time per request (ms)");
+    c->add_option("--transfer-us-per-token", s->transfer_us_per_token,
+                  "KV transfer time compute does not hide, per prompt token (us)");
+  };
+  auto add_shape = [](CLI::App* c, tandem::router::sim::Topology* t,
+                      tandem::router::sim::RouterConfig* r, std::string* policy) {
+    c->add_option("--max-batch-tokens", t->max_batch_tokens, "Tokens per engine step")
+        ->check(CLI::PositiveNumber);
+    c->add_option("--max-seqs", t->max_seqs, "Sequences per worker")->check(CLI::PositiveNumber);
+    c->add_option("--ctx-size", t->ctx_size, "Positions per sequence")->check(CLI::PositiveNumber);
+    c->add_option("--kv-blocks", t->kv_blocks, "KV blocks per worker (0: max-seqs full contexts)");
+    c->add_option("--policy", *policy, "Router policy: least-load, round-robin or kv-aware");
+    c->add_option("--max-inflight", r->max_inflight, "Router admission slots")
+        ->check(CLI::PositiveNumber);
+    c->add_option("--max-queue", r->max_queue, "Router admission queue");
+  };
+
+  // simulate
+  tandem::tools::SimulateOptions so;
+  auto* sim = app.add_subcommand(
+      "simulate", "Simulate a cluster under a workload; writes tandem bench's JSON");
+  sim->add_option("--prefill", so.topology.prefill, "Prefill workers");
+  sim->add_option("--decode", so.topology.decode, "Decode workers");
+  sim->add_option("--colocated", so.topology.colocated, "Colocated workers (no P or D)");
+  sim->add_option("--rate", so.rate, "Requests/s (open loop)");
+  sim->add_option("--duration", so.duration_s, "Seconds of arrivals (without --num-requests)");
+  sim->add_option("--num-requests", so.num_requests, "Requests in the run");
+  sim->add_option("--trace", so.trace, "Replay the requests of a tandem bench JSON");
+  sim->add_option("--arrival", so.arrival, "poisson, constant or burst");
+  sim->add_option("--burst-size", so.burst_size, "Requests per burst (--arrival burst)");
+  sim->add_option("--workload", so.workload, "random or shared-prefix");
+  sim->add_option("--input-len", so.input_len, "Fresh prompt tokens per request");
+  sim->add_option("--output-len", so.output_len, "Tokens generated per request");
+  sim->add_option("--prefix-len", so.prefix_len, "Shared prefix tokens (shared-prefix)");
+  sim->add_option("--slo", so.slo, "SLOs for goodput, e.g. ttft:500,tpot:50 (ms)");
+  sim->add_option("--mix", so.mix, "Request classes, as tandem bench --mix");
+  sim->add_option("--seed", so.seed, "Workload and arrival seed");
+  sim->add_option("--out", so.out_json, "Write JSON results here");
+  sim->add_flag("--quiet", so.quiet, "No summary table");
+  add_costs(sim, &so.costs);
+  add_shape(sim, &so.topology, &so.router, &so.policy);
+  sim->callback([&] { rc = Report(tandem::tools::RunSimulate(so)); });
+
+  // plan
+  tandem::tools::PlanOptions po;
+  auto* plan = app.add_subcommand(
+      "plan", "Prefill and decode pool sizes (and the colocated alternative) for a workload");
+  plan->add_option("--rate", po.rate, "Requests/s")->required();
+  plan->add_option("--isl", po.isl, "Input lengths: N, or N:WEIGHT,... (a histogram)");
+  plan->add_option("--osl", po.osl, "Output lengths: N, or N:WEIGHT,...");
+  plan->add_option("--prefix-hit", po.prefix_hit, "Fraction of prompt tokens cached, [0, 1)");
+  plan->add_option("--slo", po.slo, "Targets, e.g. ttft:500,tpot:50 (ms)")->required();
+  plan->add_option("--attainment", po.attainment,
+                   "Fraction of requests that must meet the targets");
+  plan->add_option("--max-workers", po.max_workers, "Largest cluster considered");
+  plan->add_option("--seed", po.seed, "Simulated workload seed");
+  plan->add_flag("--json", po.json, "Print JSON");
+  add_costs(plan, &po.costs);
+  add_shape(plan, &po.shape, &po.router, &po.policy);
+  plan->callback([&] { rc = Report(tandem::tools::RunPlan(po)); });
 
   try {
     app.parse(argc, argv);

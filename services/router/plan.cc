@@ -1,0 +1,190 @@
+#include "services/router/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace tandem::router::plan {
+namespace {
+
+// Linear-interpolation percentile of sorted values.
+double Quantile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const double pos = q * static_cast<double>(sorted.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - static_cast<double>(lo));
+}
+
+double Mean(const Histogram& h) {
+  double s = 0, w = 0;
+  for (const auto& [len, weight] : h.bins) {
+    s += len * weight;
+    w += weight;
+  }
+  return w > 0 ? s / w : 0;
+}
+
+int CeilAtLeastOne(double x) { return std::max(1, static_cast<int>(std::ceil(x - 1e-9))); }
+
+}  // namespace
+
+absl::StatusOr<Histogram> ParseHistogram(const std::string& spec) {
+  Histogram h;
+  for (absl::string_view part : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> f = absl::StrSplit(part, ':');
+    int32_t len = 0;
+    double weight = 1;
+    if (f.size() > 2 || !absl::SimpleAtoi(absl::StripAsciiWhitespace(f[0]), &len) || len < 1 ||
+        (f.size() == 2 &&
+         (!absl::SimpleAtod(absl::StripAsciiWhitespace(f[1]), &weight) || !(weight > 0)))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "length histogram '", spec, "': want LEN or LEN:WEIGHT,... with LEN >= 1, WEIGHT > 0"));
+    }
+    h.bins.emplace_back(len, weight);
+  }
+  if (h.bins.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("length histogram '", spec, "' is empty"));
+  }
+  return h;
+}
+
+absl::StatusOr<Prediction> Evaluate(const Workload& w, const Slo& slo, const Options& o,
+                                    int prefill, int decode, int colocated) {
+  if (!(w.rate > 0)) return absl::InvalidArgumentError("the rate must be > 0");
+  if (w.input.bins.empty() || w.output.bins.empty()) {
+    return absl::InvalidArgumentError("input and output length histograms must not be empty");
+  }
+  if (!(w.prefix_hit >= 0 && w.prefix_hit < 1)) {
+    return absl::InvalidArgumentError("the prefix-hit fraction must be in [0, 1)");
+  }
+  // 30 s of arrivals, within [sim_requests, 4 * sim_requests].
+  const int n = static_cast<int>(
+      std::clamp(30 * w.rate, static_cast<double>(o.sim_requests), 4.0 * o.sim_requests));
+  std::mt19937_64 rng(o.seed);
+  std::exponential_distribution<double> gap(w.rate);
+  auto draw = [&](const Histogram& h) {
+    std::vector<double> weights;
+    for (const auto& b : h.bins) weights.push_back(b.second);
+    return std::discrete_distribution<size_t>(weights.begin(), weights.end());
+  };
+  auto in_pick = draw(w.input), out_pick = draw(w.output);
+  std::vector<sim::Request> reqs(static_cast<size_t>(n));
+  double t = 0;
+  for (sim::Request& r : reqs) {
+    t += gap(rng);
+    r.arrival_s = t;
+    r.prompt_tokens = w.input.bins[in_pick(rng)].first;
+    r.output_tokens = w.output.bins[out_pick(rng)].first;
+    r.cached_tokens = static_cast<int32_t>(w.prefix_hit * r.prompt_tokens);
+  }
+  sim::Options so;
+  so.costs = o.costs;
+  so.topology = o.shape;
+  so.topology.prefill = prefill;
+  so.topology.decode = decode;
+  so.topology.colocated = colocated;
+  so.router = o.router;
+  so.keep_itl = false;
+  absl::StatusOr<std::vector<sim::Result>> res = sim::Simulate(so, reqs);
+  if (!res.ok()) return res.status();
+  Prediction p;
+  p.prefill = prefill;
+  p.decode = decode;
+  p.colocated = colocated;
+  std::vector<double> ttft, tpot;
+  size_t good = 0;
+  double end = 0;
+  for (size_t i = 0; i < res->size(); ++i) {
+    const sim::Result& r = (*res)[i];
+    end = std::max(end, reqs[i].arrival_s + r.e2e_s);
+    if (!r.ok) continue;
+    ttft.push_back(r.ttft_s);
+    const double tp =
+        reqs[i].output_tokens > 1 ? (r.e2e_s - r.ttft_s) / (reqs[i].output_tokens - 1) : 0;
+    if (reqs[i].output_tokens > 1) tpot.push_back(tp);
+    good += (slo.ttft_s <= 0 || r.ttft_s <= slo.ttft_s) && (slo.tpot_s <= 0 || tp <= slo.tpot_s);
+  }
+  std::sort(ttft.begin(), ttft.end());
+  std::sort(tpot.begin(), tpot.end());
+  p.attained = static_cast<double>(good) / static_cast<double>(n);
+  p.goodput = end > 0 ? static_cast<double>(good) / end : 0;
+  p.meets = p.attained >= o.attainment;
+  p.ttft_p50_s = Quantile(ttft, 0.5);
+  p.ttft_p99_s = Quantile(ttft, 0.99);
+  p.tpot_p50_s = Quantile(tpot, 0.5);
+  p.tpot_p99_s = Quantile(tpot, 0.99);
+  return p;
+}
+
+absl::StatusOr<Answer> Plan(const Workload& w, const Slo& slo, const Options& o) {
+  if (o.max_workers < 1) return absl::InvalidArgumentError("max_workers must be >= 1");
+  if (!(o.attainment > 0 && o.attainment <= 1)) {
+    return absl::InvalidArgumentError("attainment must be in (0, 1]");
+  }
+  if (slo.ttft_s < 0 || slo.tpot_s < 0) return absl::InvalidArgumentError("SLOs must be >= 0");
+  Answer a;
+  // Capacity bounds from the costs.
+  const double in = Mean(w.input) * (1 - w.prefix_hit), out = Mean(w.output);
+  const double budget = o.shape.max_batch_tokens, seqs = o.shape.max_seqs;
+  const double kv = Mean(w.input) + out / 2;  // positions a decoding sequence holds, on average
+  const double prefill_tps = budget / o.costs.prefill.Seconds(o.shape.max_batch_tokens, 0, 0);
+  const double decode_tps =
+      seqs / o.costs.decode.Seconds(0, o.shape.max_seqs, static_cast<int64_t>(seqs * kv));
+  const int p_min = CeilAtLeastOne(w.rate * in / prefill_tps);
+  const int d_min = CeilAtLeastOne(w.rate * std::max(0.0, out - 1) / decode_tps);
+  // A colocated worker spends step time on both.
+  const double col_prefill_s =
+      in / (budget / o.costs.colocated.Seconds(o.shape.max_batch_tokens, 0, 0));
+  const double col_decode_s =
+      std::max(0.0, out - 1) /
+      (seqs / o.costs.colocated.Seconds(0, o.shape.max_seqs, static_cast<int64_t>(seqs * kv)));
+  const int c_min = CeilAtLeastOne(w.rate * (col_prefill_s + col_decode_s));
+
+  Prediction best_tried;
+  for (int total = p_min + d_min; total <= o.max_workers && a.disaggregated.workers() == 0;
+       ++total) {
+    for (int p = p_min; total - p >= d_min; ++p) {
+      absl::StatusOr<Prediction> e = Evaluate(w, slo, o, p, total - p, 0);
+      if (!e.ok()) return e.status();
+      ++a.simulations;
+      auto better = [](const Prediction& x, const Prediction& y) {
+        return x.attained != y.attained ? x.attained > y.attained : x.ttft_p99_s < y.ttft_p99_s;
+      };
+      if (best_tried.workers() == 0 || better(*e, best_tried)) best_tried = *e;
+      if (e->meets && (a.disaggregated.workers() == 0 || better(*e, a.disaggregated))) {
+        a.disaggregated = *e;
+      }
+    }
+  }
+  if (o.colocated) {
+    for (int c = c_min; c <= o.max_workers; ++c) {
+      absl::StatusOr<Prediction> e = Evaluate(w, slo, o, 0, 0, c);
+      if (!e.ok()) return e.status();
+      ++a.simulations;
+      if (e->meets) {
+        a.colocated = *e;
+        break;
+      }
+    }
+  }
+  const bool dis = a.disaggregated.workers() > 0, col = a.colocated.workers() > 0;
+  if (!dis && !col) {
+    if (best_tried.workers() > 0) a.disaggregated = best_tried;
+    return absl::FailedPreconditionError(
+        absl::StrCat("no cluster of up to ", o.max_workers, " workers meets the SLOs for ",
+                     o.attainment * 100, "% of requests (best tried: ", best_tried.prefill, "P+",
+                     best_tried.decode, "D, ", best_tried.attained * 100, "% within)"));
+  }
+  a.prefer_colocated = col && (!dis || a.colocated.workers() < a.disaggregated.workers() ||
+                               (a.colocated.workers() == a.disaggregated.workers() &&
+                                a.colocated.goodput >= a.disaggregated.goodput));
+  return a;
+}
+
+}  // namespace tandem::router::plan

@@ -1,0 +1,272 @@
+// The cluster simulator (services/router/sim.h) and the planner over it (plan.h): exact step
+// timelines worked out by hand, queueing against the M/D/1 formula, the router's admission and
+// decode reservations, and plans that meet the SLOs they were asked for.
+#include "services/router/sim.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "services/router/plan.h"
+
+namespace tandem::router::sim {
+namespace {
+
+// Costs with distinct coefficients, so a wrong term shows.
+Costs TestCosts() {
+  Costs c;
+  c.prefill = {0.010, 0.0002, 0, 0};
+  c.decode = {0.005, 0.001, 0.001, 0.00001};
+  c.colocated = {0.008, 0.0003, 0.002, 0.00002};
+  c.dispatch_s = 0.002;
+  c.transfer_s_per_token = 0.00005;
+  return c;
+}
+
+Options Opts(int prefill, int decode, int colocated) {
+  Options o;
+  o.topology.prefill = prefill;
+  o.topology.decode = decode;
+  o.topology.colocated = colocated;
+  o.costs = TestCosts();
+  return o;
+}
+
+TEST(SimTest, OneDisaggregatedRequestFollowsTheStepTimeline) {
+  const Options o = Opts(1, 1, 0);
+  const std::vector<Request> reqs = {{/*arrival_s=*/1.0, /*prompt=*/100, /*output=*/4}};
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_TRUE((*res)[0].ok) << (*res)[0].error;
+  const Costs& c = o.costs;
+  // Dispatch, one prefill step of 100 tokens, the transfer tail: the first token.
+  const double ttft = c.dispatch_s + c.prefill.Seconds(100, 0, 0) + 100 * c.transfer_s_per_token;
+  EXPECT_NEAR((*res)[0].ttft_s, ttft, 1e-9);
+  // Then three decode steps of one sequence holding 100, 101, 102 positions.
+  double e2e = ttft;
+  for (int pos = 100; pos < 103; ++pos) e2e += c.decode.Seconds(0, 1, pos + 1);
+  EXPECT_NEAR((*res)[0].e2e_s, e2e, 1e-9);
+  ASSERT_EQ((*res)[0].itl_s.size(), 3u);
+  EXPECT_NEAR((*res)[0].itl_s[0], c.decode.Seconds(0, 1, 101), 1e-9);
+}
+
+TEST(SimTest, ColocatedPrefillIsChunkedByTheStepBudget) {
+  Options o = Opts(0, 0, 1);
+  o.topology.max_batch_tokens = 64;
+  const std::vector<Request> reqs = {{0.0, 100, 2}};
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok()) << res.status();
+  const Costs& c = o.costs;
+  // 64 then 36 prompt tokens, then one decode step at 101 positions.
+  const double ttft = c.dispatch_s + c.colocated.Seconds(64, 0, 0) + c.colocated.Seconds(36, 0, 0);
+  EXPECT_NEAR((*res)[0].ttft_s, ttft, 1e-9);
+  EXPECT_NEAR((*res)[0].e2e_s, ttft + c.colocated.Seconds(0, 1, 101), 1e-9);
+}
+
+TEST(SimTest, ConcurrentPromptsShareAStepUpToMaxSeqs) {
+  const std::vector<Request> reqs = {{0.0, 50, 1}, {0.0, 50, 1}};
+  Options o = Opts(1, 1, 0);
+  auto together = Simulate(o, reqs);
+  ASSERT_TRUE(together.ok());
+  const double both =
+      o.costs.dispatch_s + o.costs.prefill.Seconds(100, 0, 0) + 50 * o.costs.transfer_s_per_token;
+  EXPECT_NEAR((*together)[0].ttft_s, both, 1e-9);
+  EXPECT_NEAR((*together)[1].ttft_s, both, 1e-9);
+  // One at a time: the second waits for the first's step.
+  o.topology.max_seqs = 1;
+  auto apart = Simulate(o, reqs);
+  ASSERT_TRUE(apart.ok());
+  const double step = o.costs.prefill.Seconds(50, 0, 0);
+  const double tail = 50 * o.costs.transfer_s_per_token;
+  EXPECT_NEAR((*apart)[0].ttft_s, o.costs.dispatch_s + step + tail, 1e-9);
+  EXPECT_NEAR((*apart)[1].ttft_s, o.costs.dispatch_s + 2 * step + tail, 1e-9);
+  // Two prefill workers: the router's least-load pick puts one on each.
+  o = Opts(2, 1, 0);
+  o.topology.max_seqs = 1;
+  auto spread = Simulate(o, reqs);
+  ASSERT_TRUE(spread.ok());
+  EXPECT_NEAR((*spread)[1].ttft_s, o.costs.dispatch_s + step + tail, 1e-9);
+}
+
+// One prefill worker that takes one request per step of fixed length S is an M/D/1 queue:
+// with Poisson arrivals at rate lambda the mean wait is rho S / (2 (1 - rho)), rho = lambda S.
+TEST(SimTest, PrefillQueueMatchesMD1) {
+  Options o = Opts(1, 4, 0);
+  o.topology.max_seqs = 1;
+  o.topology.kv_blocks = 1 << 20;
+  o.router.max_inflight = 1 << 20;
+  const int prompt = 200;
+  const double s = o.costs.prefill.Seconds(prompt, 0, 0);  // 50 ms
+  const double rho = 0.7, lambda = rho / s;
+  std::mt19937_64 rng(3);
+  std::exponential_distribution<double> gap(lambda);
+  std::vector<Request> reqs(100000);
+  double t = 0;
+  for (Request& r : reqs) {
+    t += gap(rng);
+    r = {t, prompt, 1};
+  }
+  o.keep_itl = false;
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok());
+  double sum = 0;
+  for (const Result& r : *res) {
+    ASSERT_TRUE(r.ok) << r.error;
+    sum += r.ttft_s;
+  }
+  const double fixed = o.costs.dispatch_s + s + prompt * o.costs.transfer_s_per_token;
+  const double wait = sum / static_cast<double>(reqs.size()) - fixed;
+  const double md1 = rho * s / (2 * (1 - rho));
+  EXPECT_NEAR(wait, md1, 0.05 * md1) << "simulated mean wait " << wait << " s, M/D/1 " << md1;
+}
+
+TEST(SimTest, DecodeWithoutBlocksRefusesAndTheRouterTriesTheNext) {
+  Options o = Opts(1, 2, 0);
+  o.topology.kv_blocks = 8;  // 128 positions per decode worker
+  // Each request reserves 7 blocks (100 + 10 positions): one per decode worker at a time.
+  const std::vector<Request> reqs = {{0.0, 100, 10}, {0.0, 100, 10}, {0.0, 100, 10}};
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok());
+  EXPECT_TRUE((*res)[0].ok);
+  EXPECT_TRUE((*res)[1].ok);
+  EXPECT_FALSE((*res)[2].ok);
+  EXPECT_EQ((*res)[2].status_code, 8) << (*res)[2].error;
+  // Once the first two finish their blocks are free again.
+  const std::vector<Request> later = {{0.0, 100, 10}, {0.0, 100, 10}, {5.0, 100, 10}};
+  res = Simulate(o, later);
+  ASSERT_TRUE(res.ok());
+  for (const Result& r : *res) EXPECT_TRUE(r.ok) << r.error;
+}
+
+TEST(SimTest, FullRouterQueueDisplacesTheLeastUrgent) {
+  Options o = Opts(1, 1, 0);
+  o.router.max_inflight = 1;
+  o.router.max_queue = 1;
+  // One runs, a batch request waits, an interactive one displaces it, a standard one is
+  // refused (nothing less urgent than it waits any more).
+  std::vector<Request> reqs = {
+      {0.0, 100, 2, 1}, {0.0, 100, 2, 2}, {0.0, 100, 2, 0}, {0.0, 100, 2, 1}};
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok());
+  EXPECT_TRUE((*res)[0].ok);
+  EXPECT_EQ((*res)[1].status_code, 8);
+  EXPECT_TRUE((*res)[2].ok);
+  EXPECT_EQ((*res)[3].status_code, 8);
+  EXPECT_GT((*res)[2].ttft_s, (*res)[0].e2e_s) << "it waited for the slot";
+}
+
+TEST(SimTest, RefusesWhatTheClusterWouldRefuse) {
+  Options o = Opts(1, 0, 0);
+  EXPECT_EQ(Simulate(o, std::vector<Request>{{0, 10, 1}}).status().code(),
+            absl::StatusCode::kOk);  // no decode: requests fail UNAVAILABLE, the run is valid
+  auto res = Simulate(o, std::vector<Request>{{0, 10, 1}});
+  EXPECT_EQ((*res)[0].status_code, 14);
+  o = Opts(1, 1, 0);
+  o.topology.max_seqs = 0;
+  EXPECT_EQ(Simulate(o, std::vector<Request>{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o = Opts(1, 1, 0);
+  o.topology.ctx_size = 64;
+  res = Simulate(o, std::vector<Request>{{0, 60, 10}, {0, 0, 1}});
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ((*res)[0].status_code, 3);
+  EXPECT_EQ((*res)[1].status_code, 3);
+}
+
+TEST(SimTest, SameInputsSameResults) {
+  Options o = Opts(2, 3, 0);
+  std::mt19937_64 rng(9);
+  std::vector<Request> reqs(2000);
+  double t = 0;
+  for (Request& r : reqs) {
+    t += std::exponential_distribution<double>(40)(rng);
+    r = {t, 20 + static_cast<int32_t>(rng() % 300), 1 + static_cast<int32_t>(rng() % 40),
+         static_cast<int>(rng() % 3)};
+  }
+  auto a = Simulate(o, reqs), b = Simulate(o, reqs);
+  ASSERT_TRUE(a.ok() && b.ok());
+  int ok = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ((*a)[i].ttft_s, (*b)[i].ttft_s);
+    EXPECT_EQ((*a)[i].e2e_s, (*b)[i].e2e_s);
+    ok += (*a)[i].ok;
+  }
+  EXPECT_EQ(ok, 2000);
+}
+
+}  // namespace
+}  // namespace tandem::router::sim
+
+namespace tandem::router::plan {
+namespace {
+
+sim::Costs PlanCosts() {
+  sim::Costs c;
+  c.prefill = c.colocated = {0.01, 0.0001, 0, 0};
+  c.decode = {0.02, 0, 0.0005, 0.000001};
+  c.colocated.decode_seq_s = 0.0005;
+  c.colocated.decode_kv_token_s = 0.000001;
+  c.colocated.intercept_s = 0.02;
+  return c;
+}
+
+TEST(PlanTest, ParsesLengthHistograms) {
+  auto h = ParseHistogram("128:3, 1024:1");
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_EQ(h->bins.size(), 2u);
+  EXPECT_EQ(h->bins[1].first, 1024);
+  EXPECT_EQ(h->bins[0].second, 3);
+  for (const char* bad : {"", "0", "12:0", "a", "1:2:3", "5:-1"}) {
+    EXPECT_EQ(ParseHistogram(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(PlanTest, AnswerMeetsTheSlosAndOneWorkerLessDoesNot) {
+  Workload w;
+  w.rate = 20;
+  w.input = *ParseHistogram("300");
+  w.output = *ParseHistogram("40");
+  const Slo slo{0.25, 0.05};
+  Options o;
+  o.costs = PlanCosts();
+  o.shape.max_seqs = 16;
+  auto a = Plan(w, slo, o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const Prediction& d = a->disaggregated;
+  ASSERT_GT(d.workers(), 0);
+  EXPECT_TRUE(d.meets);
+  EXPECT_GE(d.attained, 0.99);
+  EXPECT_LE(d.ttft_p50_s, slo.ttft_s);
+  // Every split of one worker fewer misses.
+  for (int p = 1; p < d.workers() - 1; ++p) {
+    auto e = Evaluate(w, slo, o, p, d.workers() - 1 - p, 0);
+    ASSERT_TRUE(e.ok());
+    EXPECT_FALSE(e->meets) << p << "P+" << d.workers() - 1 - p << "D";
+  }
+  ASSERT_GT(a->colocated.workers(), 0);
+  auto fewer = Evaluate(w, slo, o, 0, 0, a->colocated.workers() - 1);
+  ASSERT_TRUE(fewer.ok());
+  EXPECT_FALSE(fewer->meets);
+  // Twice the load needs more workers.
+  w.rate = 40;
+  auto b = Plan(w, slo, o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_GT(b->disaggregated.workers(), d.workers());
+}
+
+TEST(PlanTest, NothingMeetsAnImpossibleTarget) {
+  Workload w;
+  w.rate = 5;
+  w.input = *ParseHistogram("300");
+  w.output = *ParseHistogram("10");
+  Options o;
+  o.costs = PlanCosts();
+  o.max_workers = 6;
+  // A prefill of 300 tokens alone takes 40 ms.
+  auto a = Plan(w, Slo{0.02, 0}, o);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace tandem::router::plan
