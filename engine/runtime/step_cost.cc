@@ -64,38 +64,82 @@ void StepCostModel::Observe(const StepShape& shape, double seconds) {
 StepCostModel::Coefficients StepCostModel::coefficients() const {
   Coefficients c;
   if (steps_ == 0) return c;
-  // (X'X + ridge) b = X'y by Gaussian elimination with partial pivoting; the ridge is tiny
-  // against the sums, and only decides the coefficients of features that never varied.
-  std::array<double, kF * kF> a = xx_;
-  std::array<double, kF> b = xy_;
+  // Non-negative least squares: no cost is negative, but an unconstrained fit over a narrow
+  // range of shapes, or of a step time that grows faster than linearly (attention over a long
+  // prompt), can give a negative coefficient that another one then overstates, and a model
+  // that predicts nonsense outside the shapes it saw. The NNLS solution is the least-squares
+  // solution on some subset of the features with every coefficient >= 0, so with four
+  // features every subset is solved and the feasible one that fits best wins.
   const double ridge = 1e-6 * std::max(1.0, w_);
-  for (int i = 1; i < kF; ++i) a[i * kF + i] += ridge;
-  std::array<double, kF> x{};
-  for (int col = 0; col < kF; ++col) {
-    int piv = col;
-    for (int r = col + 1; r < kF; ++r) {
-      if (std::fabs(a[r * kF + col]) > std::fabs(a[piv * kF + col])) piv = r;
+  std::array<double, kF> best{};
+  double best_loss = 0;
+  bool found = false;
+  for (unsigned mask = 1; mask < (1u << kF); ++mask) {
+    int idx[kF], n = 0;
+    for (int i = 0; i < kF; ++i) {
+      if (mask & (1u << i)) idx[n++] = i;
     }
-    if (std::fabs(a[piv * kF + col]) < 1e-300) return c;
-    if (piv != col) {
-      for (int k = 0; k < kF; ++k) std::swap(a[col * kF + k], a[piv * kF + k]);
-      std::swap(b[col], b[piv]);
+    // (X'X + ridge) b = X'y on the subset, by Gaussian elimination with partial pivoting; the
+    // ridge is tiny against the sums and only decides features that never varied.
+    std::array<double, kF * kF> a{};
+    std::array<double, kF> b{};
+    for (int r = 0; r < n; ++r) {
+      for (int k = 0; k < n; ++k) a[r * kF + k] = xx_[idx[r] * kF + idx[k]];
+      if (idx[r] != 0) a[r * kF + r] += ridge;
+      b[r] = xy_[idx[r]];
     }
-    for (int r = col + 1; r < kF; ++r) {
-      const double m = a[r * kF + col] / a[col * kF + col];
-      for (int k = col; k < kF; ++k) a[r * kF + k] -= m * a[col * kF + k];
-      b[r] -= m * b[col];
+    bool singular = false;
+    for (int col = 0; col < n && !singular; ++col) {
+      int piv = col;
+      for (int r = col + 1; r < n; ++r) {
+        if (std::fabs(a[r * kF + col]) > std::fabs(a[piv * kF + col])) piv = r;
+      }
+      if (std::fabs(a[piv * kF + col]) < 1e-300) {
+        singular = true;
+        break;
+      }
+      if (piv != col) {
+        for (int k = 0; k < n; ++k) std::swap(a[col * kF + k], a[piv * kF + k]);
+        std::swap(b[col], b[piv]);
+      }
+      for (int r = col + 1; r < n; ++r) {
+        const double m = a[r * kF + col] / a[col * kF + col];
+        for (int k = col; k < n; ++k) a[r * kF + k] -= m * a[col * kF + k];
+        b[r] -= m * b[col];
+      }
+    }
+    if (singular) continue;
+    std::array<double, kF> sub{};
+    for (int r = n - 1; r >= 0; --r) {
+      double v = b[r];
+      for (int k = r + 1; k < n; ++k) v -= a[r * kF + k] * sub[k];
+      sub[r] = v / a[r * kF + r];
+    }
+    std::array<double, kF> x{};
+    bool feasible = true;
+    for (int r = 0; r < n; ++r) {
+      x[idx[r]] = sub[r];
+      feasible = feasible && sub[r] >= 0;
+    }
+    if (!feasible) continue;
+    // The squared error up to the constant y'y: x'(X'X)x - 2 x'(X'y).
+    double loss = 0;
+    for (int r = 0; r < kF; ++r) {
+      double row = 0;
+      for (int k = 0; k < kF; ++k) row += xx_[r * kF + k] * x[k];
+      loss += x[r] * row - 2 * x[r] * xy_[r];
+    }
+    if (!found || loss < best_loss) {
+      best = x;
+      best_loss = loss;
+      found = true;
     }
   }
-  for (int r = kF - 1; r >= 0; --r) {
-    double v = b[r];
-    for (int k = r + 1; k < kF; ++k) v -= a[r * kF + k] * x[k];
-    x[r] = v / a[r * kF + r];
-  }
-  c.intercept_s = x[0];
-  c.prefill_token_s = x[1] / 100.0;
-  c.decode_seq_s = x[2] / 10.0;
-  c.decode_kv_token_s = x[3] / 10000.0;
+  if (!found) return c;
+  c.intercept_s = best[0];
+  c.prefill_token_s = best[1] / 100.0;
+  c.decode_seq_s = best[2] / 10.0;
+  c.decode_kv_token_s = best[3] / 10000.0;
   return c;
 }
 

@@ -33,10 +33,10 @@ struct StepShape {
 
 StepShape ShapeOf(std::span<const SeqChunk> chunks);
 
-// Least squares over the features (1, prefill tokens, decode sequences, decode KV tokens), with
-// the normal equations' sums decayed by kForget per step and a small ridge, so a feature that
-// never varied (no prefill on a decode worker) keeps a coefficient near 0 instead of an
-// arbitrary one.
+// Non-negative least squares over the features (1, prefill tokens, decode sequences, decode KV
+// tokens), with the normal equations' sums decayed by kForget per step and a small ridge, so a
+// feature that never varied (no prefill on a decode worker) keeps a coefficient near 0 instead
+// of an arbitrary one, and no coefficient is negative (a cost never is).
 class StepCostModel {
  public:
   static constexpr double kForget = 0.995;

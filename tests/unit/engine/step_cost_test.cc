@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <vector>
 
 #include "engine/runtime/engine.h"
 #include "gtest/gtest.h"
@@ -44,6 +45,58 @@ TEST(StepCostModelTest, RecoversAKnownLineFromNoisySteps) {
   EXPECT_GT(m.relative_rmse(), 0.005);
   EXPECT_LT(m.relative_rmse(), 0.05) << "3% noise";
   EXPECT_EQ(m.steps(), 3000);
+}
+
+// Prefill time that grows faster than linearly (attention over the prompt) pulls an
+// unconstrained linear fit's intercept below 0, which inflates the decode terms. The fit keeps
+// every coefficient >= 0, and it is still the best such line: no coefficient vector >= 0 near it
+// fits the steps better.
+TEST(StepCostModelTest, CoefficientsStayNonNegativeAndFitBest) {
+  StepCostModel m;
+  auto truth = [](const StepShape& s) {
+    const double p = static_cast<double>(s.prefill_tokens);
+    return 0.2e-3 + 20e-6 * p + 0.3e-6 * p * p + 150e-6 * s.decode_seqs;
+  };
+  std::mt19937 rng(3);
+  std::vector<StepShape> seen;
+  for (int i = 0; i < 2000; ++i) {
+    StepShape s;
+    if (i % 2 == 0) {
+      s.prefill_tokens = 64 + static_cast<int64_t>(rng() % 448);
+    } else {
+      s.decode_seqs = 1 + static_cast<int64_t>(rng() % 16);
+      s.decode_kv_tokens = s.decode_seqs * (100 + static_cast<int64_t>(rng() % 200));
+    }
+    seen.push_back(s);
+    m.Observe(s, truth(s));
+  }
+  const StepCostModel::Coefficients c = m.coefficients();
+  for (double v : {c.intercept_s, c.prefill_token_s, c.decode_seq_s, c.decode_kv_token_s}) {
+    EXPECT_GE(v, 0.0);
+  }
+  // Recent steps weigh more (kForget): the loss the fit minimises.
+  auto loss = [&](const StepCostModel::Coefficients& k) {
+    double l = 0, w = 1;
+    for (auto it = seen.rbegin(); it != seen.rend(); ++it, w *= StepCostModel::kForget) {
+      const double p = k.intercept_s + k.prefill_token_s * it->prefill_tokens +
+                       k.decode_seq_s * it->decode_seqs +
+                       k.decode_kv_token_s * it->decode_kv_tokens;
+      l += w * (p - truth(*it)) * (p - truth(*it));
+    }
+    return l;
+  };
+  const double best = loss(c);
+  for (int i = 0; i < 4; ++i) {
+    for (double f : {0.9, 1.1}) {
+      StepCostModel::Coefficients k = c;
+      double* v[] = {&k.intercept_s, &k.prefill_token_s, &k.decode_seq_s, &k.decode_kv_token_s};
+      *v[i] = *v[i] > 0 ? *v[i] * f : (f > 1 ? 1e-6 : 0);  // a zero can only go up
+      EXPECT_GE(loss(k), best * (1 - 1e-9)) << "coefficient " << i << " x" << f;
+    }
+  }
+  // Decode-only steps keep their cost: the decode terms are not inflated to make up for a
+  // negative intercept.
+  EXPECT_NEAR(m.Predict({0, 8, 1600}), truth({0, 8, 1600}), 0.25 * truth({0, 8, 1600}));
 }
 
 TEST(StepCostModelTest, AFeatureThatNeverVariedStaysNearZero) {
