@@ -62,6 +62,7 @@ struct Worker {
   std::string id;
   std::deque<Seq> waiting;
   std::vector<Seq> running;
+  std::vector<int32_t> inbox;  // decode: requests whose KV arrived, adopted between steps
   bool busy = false;
   bool waking = false;  // a kWake is scheduled
   int64_t total_blocks = 0;
@@ -112,6 +113,9 @@ class Simulation {
   void StartStep(int32_t w);
   void StepDone(int32_t w);
   void KvArrived(int32_t r, int32_t w);
+  // The decode worker's engine thread takes an arrived sequence between steps and reports its
+  // first token (sampled by the prefill) at once.
+  void Adopt(int32_t w, int32_t r);
   void Heartbeat(int32_t w);
   void Token(Seq& s);
   void Finish(int32_t r);
@@ -242,6 +246,8 @@ void Simulation::Dispatch(int32_t r) {
 void Simulation::StartStep(int32_t wi) {
   Worker& w = workers_[wi];
   const Topology& t = o_.topology;
+  for (int32_t r : w.inbox) Adopt(wi, r);
+  w.inbox.clear();
   // Admission, in arrival order, as each worker's own loop does it.
   while (!w.waiting.empty() && static_cast<int>(w.running.size()) < t.max_seqs) {
     Seq& s = w.waiting.front();
@@ -324,6 +330,11 @@ void Simulation::StepDone(int32_t wi) {
 }
 
 void Simulation::KvArrived(int32_t r, int32_t wi) {
+  workers_[wi].inbox.push_back(r);
+  Kick(wi);
+}
+
+void Simulation::Adopt(int32_t wi, int32_t r) {
   Worker& w = workers_[wi];
   const Request& q = reqs_[r];
   Seq s;
@@ -342,7 +353,6 @@ void Simulation::KvArrived(int32_t r, int32_t wi) {
     return;
   }
   w.waiting.push_back(s);
-  Kick(wi);
 }
 
 void Simulation::Heartbeat(int32_t wi) {

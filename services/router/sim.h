@@ -11,9 +11,9 @@
 //   after the part of the transfer compute did not hide (transfer_s_per_token per prompt token);
 // - decode (services/decode/decode_worker.h over engine::Scheduler): the router reserves the
 //   sequence's blocks (prompt + output) before the prefill; a worker without the blocks refuses
-//   and the router tries the next, as the real one does; an arrived sequence reports its first
-//   token at once, joins the batch when fewer than max_seqs run, and every step decodes one token
-//   of each running sequence;
+//   and the router tries the next, as the real one does; an arrived sequence is taken in
+//   between steps (the engine thread's inbox), reports its first token then, joins the batch
+//   when fewer than max_seqs run, and every step decodes one token of each running sequence;
 // - colocated (engine::Scheduler): admission when max_seqs and the blocks allow, then each step
 //   packs one decode token per decoding sequence first and fills the budget with prefill chunks.
 // A step of p prefill tokens, d decode sequences attending to k positions in all takes
