@@ -294,6 +294,7 @@ void Simulation::Token(Seq& s) {
 
 void Simulation::StepDone(int32_t wi) {
   Worker& w = workers_[wi];
+  int finished_prompts = 0;
   for (Seq& s : w.running) {
     if (s.take == 0) continue;
     if (s.done < s.prompt) {
@@ -306,6 +307,7 @@ void Simulation::StepDone(int32_t wi) {
         const int32_t d = WorkerOf(f.decode);
         f.prefill.Release();
         Schedule(now_ + o_.costs.transfer_s_per_token * s.prompt, Kind::kKvArrived, s.req, d);
+        ++finished_prompts;
         continue;
       }
       // Colocated: the first token, from the prompt's last logits.
@@ -326,6 +328,13 @@ void Simulation::StepDone(int32_t wi) {
     return (w.role == Role::kPrefill && s.done >= s.prompt) ||
            (w.role != Role::kPrefill && s.done >= s.prompt && s.left <= 0);
   });
+  if (finished_prompts > 0 && o_.costs.prefill_request_s > 0) {
+    // The engine thread finishes those prompts before its next step.
+    w.busy = false;
+    w.waking = true;
+    Schedule(now_ + finished_prompts * o_.costs.prefill_request_s, Kind::kWake, wi);
+    return;
+  }
   StartStep(wi);
 }
 

@@ -54,6 +54,9 @@ struct Costs {
   StepCoefficients prefill, decode, colocated;
   double dispatch_s = 0;            // router to worker queue (RPCs), per request
   double transfer_s_per_token = 0;  // KV transfer after the prefill's last step, per prompt token
+  // A prefill worker's engine thread per finished prompt, outside its steps (checksumming the
+  // prompt's KV, posting its last writes, answering): the next step waits for it.
+  double prefill_request_s = 0;
 };
 
 struct Topology {

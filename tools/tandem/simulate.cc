@@ -62,7 +62,8 @@ nlohmann::json CostsJson(const Costs& c, const std::string& source) {
           {"decode", CoefficientsJson(c.decode)},
           {"colocated", CoefficientsJson(c.colocated)},
           {"dispatch_s", c.dispatch_s},
-          {"transfer_s_per_token", c.transfer_s_per_token}};
+          {"transfer_s_per_token", c.transfer_s_per_token},
+          {"prefill_request_s", c.prefill_request_s}};
 }
 
 absl::StatusOr<Costs> CostsFromFile(const std::string& path, std::string* source) {
@@ -83,7 +84,8 @@ absl::StatusOr<Costs> CostsFromFile(const std::string& path, std::string* source
     TANDEM_ASSIGN_OR_RETURN(*out, CoefficientsFrom(*r, role));
   }
   for (const auto& [name, out] : {std::pair<const char*, double*>{"dispatch_s", &c.dispatch_s},
-                                  {"transfer_s_per_token", &c.transfer_s_per_token}}) {
+                                  {"transfer_s_per_token", &c.transfer_s_per_token},
+                                  {"prefill_request_s", &c.prefill_request_s}}) {
     if (!j.contains(name)) continue;
     if (!j[name].is_number() || j[name].get<double>() < 0) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, " must be >= 0"));

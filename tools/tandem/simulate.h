@@ -8,9 +8,9 @@
 // run's requests (send time, prompt and output tokens, class) are replayed.
 //
 // Step costs (StepCosts, JSON): {"prefill": C, "decode": C, "colocated": C, "dispatch_s": x,
-// "transfer_s_per_token": y, "source": "..."} where C = {"intercept_s", "prefill_token_s",
-// "decode_seq_s", "decode_kv_token_s"}; "step": C stands for any role not given. Where they
-// come from, one of:
+// "transfer_s_per_token": y, "prefill_request_s": z, "source": "..."} where C = {"intercept_s",
+// "prefill_token_s", "decode_seq_s", "decode_kv_token_s"}; "step": C stands for any role not given.
+// Where they come from, one of:
 //   --cost FILE          such a file (docs/perf/costs/ holds measured and published ones);
 //   --cost-from ROUTER   the fits a running cluster's workers report (Registry.ListWorkers),
 //                        averaged per role: simulate the cluster as it runs now;

@@ -89,6 +89,20 @@ TEST(SimTest, ConcurrentPromptsShareAStepUpToMaxSeqs) {
   EXPECT_NEAR((*spread)[1].ttft_s, o.costs.dispatch_s + step + tail, 1e-9);
 }
 
+TEST(SimTest, PrefillWorkPerPromptDelaysTheNextStep) {
+  Options o = Opts(1, 1, 0);
+  o.topology.max_seqs = 1;
+  o.costs.prefill_request_s = 0.004;
+  const std::vector<Request> reqs = {{0.0, 50, 1}, {0.0, 50, 1}};
+  auto res = Simulate(o, reqs);
+  ASSERT_TRUE(res.ok());
+  const double step = o.costs.prefill.Seconds(50, 0, 0);
+  const double tail = 50 * o.costs.transfer_s_per_token;
+  // The first prompt's KV leaves at its step's end; the second step starts 4 ms later.
+  EXPECT_NEAR((*res)[0].ttft_s, o.costs.dispatch_s + step + tail, 1e-9);
+  EXPECT_NEAR((*res)[1].ttft_s, o.costs.dispatch_s + 2 * step + 0.004 + tail, 1e-9);
+}
+
 // One prefill worker that takes one request per step of fixed length S is an M/D/1 queue:
 // with Poisson arrivals at rate lambda the mean wait is rho S / (2 (1 - rho)), rho = lambda S.
 TEST(SimTest, PrefillQueueMatchesMD1) {
