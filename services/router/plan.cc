@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "absl/strings/numbers.h"
@@ -146,33 +147,68 @@ absl::StatusOr<Answer> Plan(const Workload& w, const Slo& slo, const Options& o)
       (seqs / o.costs.colocated.Seconds(0, o.shape.max_seqs, static_cast<int64_t>(seqs * kv)));
   const int c_min = CeilAtLeastOne(w.rate * (col_prefill_s + col_decode_s));
 
+  auto better = [](const Prediction& x, const Prediction& y) {
+    return x.attained != y.attained ? x.attained > y.attained : x.ttft_p99_s < y.ttft_p99_s;
+  };
   Prediction best_tried;
-  for (int total = p_min + d_min; total <= o.max_workers && a.disaggregated.workers() == 0;
-       ++total) {
-    for (int p = p_min; total - p >= d_min; ++p) {
+  absl::Status failed;
+  // The best split of `total` workers among those near the split of the two pools' lower
+  // bounds (within 2 of it either way); workers() == 0 when none meets the SLOs.
+  auto best_split = [&](int total) {
+    Prediction best;
+    const double share = static_cast<double>(p_min) / (p_min + d_min);
+    const int p0 = std::clamp(static_cast<int>(std::lround(total * share)), p_min, total - d_min);
+    for (int p = std::max(p_min, p0 - 2); p <= std::min(total - d_min, p0 + 2); ++p) {
       absl::StatusOr<Prediction> e = Evaluate(w, slo, o, p, total - p, 0);
-      if (!e.ok()) return e.status();
       ++a.simulations;
-      auto better = [](const Prediction& x, const Prediction& y) {
-        return x.attained != y.attained ? x.attained > y.attained : x.ttft_p99_s < y.ttft_p99_s;
-      };
+      if (!e.ok()) {
+        failed = e.status();
+        return best;
+      }
       if (best_tried.workers() == 0 || better(*e, best_tried)) best_tried = *e;
-      if (e->meets && (a.disaggregated.workers() == 0 || better(*e, a.disaggregated))) {
-        a.disaggregated = *e;
+      if (e->meets && (best.workers() == 0 || better(*e, best))) best = *e;
+    }
+    return best;
+  };
+  auto colocated = [&](int c) {
+    absl::StatusOr<Prediction> e = Evaluate(w, slo, o, 0, 0, c);
+    ++a.simulations;
+    if (!e.ok()) {
+      failed = e.status();
+      return Prediction{};
+    }
+    return e->meets ? *e : Prediction{};
+  };
+  // The smallest count in [lo, max_workers] that meets the SLOs, assuming more workers never
+  // do worse: steps of 1, 2, 4, ... up from the lower bound, then bisection.
+  auto smallest = [&](int lo, const std::function<Prediction(int)>& eval) {
+    Prediction found;
+    int miss = lo - 1, step = 1, n = lo;
+    while (n <= o.max_workers && failed.ok()) {
+      found = eval(n);
+      if (found.workers() > 0) break;
+      miss = n;
+      if (n == o.max_workers) return Prediction{};
+      n = std::min(o.max_workers, n + step);
+      step *= 2;
+    }
+    if (found.workers() == 0) return found;
+    int hit = n;
+    while (hit - miss > 1 && failed.ok()) {
+      const int mid = miss + (hit - miss) / 2;
+      Prediction m = eval(mid);
+      if (m.workers() > 0) {
+        hit = mid;
+        found = m;
+      } else {
+        miss = mid;
       }
     }
-  }
-  if (o.colocated) {
-    for (int c = c_min; c <= o.max_workers; ++c) {
-      absl::StatusOr<Prediction> e = Evaluate(w, slo, o, 0, 0, c);
-      if (!e.ok()) return e.status();
-      ++a.simulations;
-      if (e->meets) {
-        a.colocated = *e;
-        break;
-      }
-    }
-  }
+    return found;
+  };
+  if (p_min + d_min <= o.max_workers) a.disaggregated = smallest(p_min + d_min, best_split);
+  if (failed.ok() && o.colocated) a.colocated = smallest(std::min(c_min, o.max_workers), colocated);
+  if (!failed.ok()) return failed;
   const bool dis = a.disaggregated.workers() > 0, col = a.colocated.workers() > 0;
   if (!dis && !col) {
     if (best_tried.workers() > 0) a.disaggregated = best_tried;

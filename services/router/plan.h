@@ -3,13 +3,14 @@
 // clusters, from the fewest workers the step costs allow upwards.
 //
 // A candidate meets the SLOs when at least `attainment` of its requests finish with TTFT and
-// TPOT within their targets (no failures count as met). For the smallest total that has a
-// disaggregated split meeting them, every split of that total is simulated and the one with the
-// most requests within their targets wins (then the lower p99 TTFT); the colocated answer is the
-// smallest count that meets them. The lower bound comes from the costs: a prefill worker
-// computes at most max_batch_tokens prompt tokens per step of that many, a decode worker at
-// most max_seqs tokens per step of max_seqs sequences, and a colocated worker shares one step
-// between both.
+// TPOT within their targets (no failures count as met). The smallest total that meets them is
+// found by steps of 1, 2, 4, ... from the lower bound and then bisection (more workers are
+// assumed never to do worse); at each total the splits within 2 of the lower bounds' own split
+// are simulated, and the one with the most requests within their targets wins (then the lower
+// p99 TTFT). The colocated answer is the smallest count that meets them, found the same way. The
+// lower bound comes from the costs: a prefill worker computes at most max_batch_tokens prompt
+// tokens per step of that many, a decode worker at most max_seqs tokens per step of max_seqs
+// sequences, and a colocated worker shares one step between both.
 //
 // Threading: pure (deterministic for a seed); call from any thread. Errors: INVALID_ARGUMENT for
 // a bad workload or SLO, FAILED_PRECONDITION when nothing up to max_workers meets the SLOs

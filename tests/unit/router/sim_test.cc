@@ -252,11 +252,13 @@ TEST(PlanTest, AnswerMeetsTheSlosAndOneWorkerLessDoesNot) {
   EXPECT_TRUE(d.meets);
   EXPECT_GE(d.attained, 0.99);
   EXPECT_LE(d.ttft_p50_s, slo.ttft_s);
-  // Every split of one worker fewer misses.
-  for (int p = 1; p < d.workers() - 1; ++p) {
-    auto e = Evaluate(w, slo, o, p, d.workers() - 1 - p, 0);
+  // One worker fewer in either pool misses.
+  for (int p : {d.prefill - 1, d.prefill}) {
+    const int dd = d.workers() - 1 - p;
+    if (p < 1 || dd < 1) continue;
+    auto e = Evaluate(w, slo, o, p, dd, 0);
     ASSERT_TRUE(e.ok());
-    EXPECT_FALSE(e->meets) << p << "P+" << d.workers() - 1 - p << "D";
+    EXPECT_FALSE(e->meets) << p << "P+" << dd << "D";
   }
   ASSERT_GT(a->colocated.workers(), 0);
   auto fewer = Evaluate(w, slo, o, 0, 0, a->colocated.workers() - 1);
