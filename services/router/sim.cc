@@ -110,6 +110,8 @@ class Simulation {
     wk.waking = true;
     Schedule(now_, Kind::kWake, w);
   }
+  // Queues request r's prompt on worker w, holding `blocks` once admitted.
+  void Enqueue(int32_t w, int32_t r, int64_t blocks);
   void StartStep(int32_t w);
   void StepDone(int32_t w);
   void KvArrived(int32_t r, int32_t w);
@@ -210,13 +212,7 @@ void Simulation::Dispatch(int32_t r) {
       p.StartBacklog(q.prompt_tokens);
       const int32_t w = WorkerOf(p);
       f.prefill = std::move(p);
-      Seq s;
-      s.req = r;
-      s.prompt = q.prompt_tokens;
-      s.blocks = BlocksFor(q.prompt_tokens, t.block_size);
-      s.done = std::clamp(q.cached_tokens, 0, q.prompt_tokens - 1);
-      workers_[w].waiting.push_back(s);
-      Kick(w);
+      Enqueue(w, r, BlocksFor(q.prompt_tokens, t.block_size));
       return;
     }
     case PlanKind::kColocated: {
@@ -228,19 +224,24 @@ void Simulation::Dispatch(int32_t r) {
       c.StartBacklog(q.prompt_tokens);
       const int32_t w = WorkerOf(c);
       f.decode = std::move(c);
-      Seq s;
-      s.req = r;
-      s.prompt = q.prompt_tokens;
-      s.blocks = need;
-      s.done = std::clamp(q.cached_tokens, 0, q.prompt_tokens - 1);
-      workers_[w].waiting.push_back(s);
-      Kick(w);
+      Enqueue(w, r, need);
       return;
     }
     case PlanKind::kNone:
       Fail(r, kUnavailable, "no worker available");
       return;
   }
+}
+
+void Simulation::Enqueue(int32_t wi, int32_t r, int64_t blocks) {
+  const Request& q = reqs_[r];
+  Seq s;
+  s.req = r;
+  s.prompt = q.prompt_tokens;
+  s.blocks = blocks;
+  s.done = std::clamp(q.cached_tokens, 0, q.prompt_tokens - 1);  // the prefix-cache hit
+  workers_[wi].waiting.push_back(s);
+  Kick(wi);
 }
 
 void Simulation::StartStep(int32_t wi) {
