@@ -26,6 +26,7 @@
 #include "nlohmann/json.hpp"
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "tools/tandem/bench_stats.h"
 
 namespace {
 
@@ -184,26 +185,18 @@ Results RunRound(const Options& o, const Trace& t, bool via_router, v1::Inferenc
   return round.Wait();
 }
 
-// Linear interpolation between closest ranks of sorted values.
-double Quantile(const std::vector<double>& sorted, double q) {
-  if (sorted.empty()) return NAN;
-  const double pos = q * static_cast<double>(sorted.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(pos));
-  const size_t hi = std::min(lo + 1, sorted.size() - 1);
-  return sorted[lo] + (pos - static_cast<double>(lo)) * (sorted[hi] - sorted[lo]);
-}
-
-constexpr double kQuantiles[] = {0.5, 0.9, 0.99, 0.999};
+constexpr double kPercentiles[] = {50, 90, 99, 99.9};
 constexpr const char* kNames[] = {"p50_ms", "p90_ms", "p99_ms", "p999_ms"};
 
-json Summary(std::vector<double> ms, int errors, double offered_s) {
-  std::sort(ms.begin(), ms.end());
+json Summary(const std::vector<double>& ms, int errors, double offered_s) {
   json j = {{"completed", ms.size()}, {"errors", errors},
             {"throughput_rps", static_cast<double>(ms.size()) / offered_s}};
   double sum = 0;
   for (double v : ms) sum += v;
   j["mean_ms"] = ms.empty() ? NAN : sum / static_cast<double>(ms.size());
-  for (size_t k = 0; k < std::size(kQuantiles); ++k) j[kNames[k]] = Quantile(ms, kQuantiles[k]);
+  for (size_t k = 0; k < std::size(kPercentiles); ++k) {
+    j[kNames[k]] = tandem::tools::bench::PercentileLinear(ms, kPercentiles[k]);
+  }
   return j;
 }
 
