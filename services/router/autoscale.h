@@ -52,6 +52,7 @@ struct AutoscaleInputs {
 struct Recommendation {
   int prefill = 0;
   int decode = 0;
+  bool planned = false;  // tandem plan's search gave it (router_metrics.h), not the rule above
 };
 
 Recommendation Recommend(const AutoscaleInputs& in, const AutoscaleOptions& o);

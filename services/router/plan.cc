@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "services/router/slo.h"
 
 namespace tandem::router::plan {
 namespace {
@@ -121,6 +122,55 @@ absl::StatusOr<Prediction> Evaluate(const Workload& w, const Slo& slo, const Opt
   p.tpot_p50_s = Quantile(tpot, 0.5);
   p.tpot_p99_s = Quantile(tpot, 0.99);
   return p;
+}
+
+absl::StatusOr<Workload> ObservedWorkload(std::vector<double> prompt_tokens,
+                                          std::vector<double> output_tokens, double span_s) {
+  if (prompt_tokens.empty() || prompt_tokens.size() != output_tokens.size() || !(span_s > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an observed workload needs as many prompt as output lengths (",
+                     prompt_tokens.size(), ", ", output_tokens.size(),
+                     "), at least one, over a span > 0 s (", span_s, ")"));
+  }
+  auto histogram = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    constexpr size_t kBins = 32;
+    const size_t n = std::min(kBins, v.size());
+    Histogram h;
+    for (size_t i = 0; i < n; ++i) {
+      const double len = v[(2 * i + 1) * v.size() / (2 * n)];  // the middle of the i-th slice
+      h.bins.emplace_back(std::max<int32_t>(1, static_cast<int32_t>(std::lround(len))), 1.0);
+    }
+    return h;
+  };
+  Workload w;
+  w.rate = static_cast<double>(prompt_tokens.size()) / span_s;
+  w.input = histogram(prompt_tokens);
+  w.output = histogram(output_tokens);
+  return w;
+}
+
+std::optional<sim::StepCoefficients> MeanFittedCost(const std::vector<WorkerRegistry::Load>& pool,
+                                                    bool prefill) {
+  sim::StepCoefficients sum;
+  int n = 0;
+  for (const WorkerRegistry::Load& l : pool) {
+    const v1::StepCost& c = l.cost;
+    const bool priced =
+        prefill ? c.prefill_token_s() > 0 : c.decode_seq_s() > 0 || c.decode_kv_token_s() > 0;
+    if (c.steps() < kMinFittedSteps || !priced) continue;
+    ++n;
+    sum.intercept_s += std::max(0.0, c.intercept_s());
+    sum.prefill_token_s += c.prefill_token_s();
+    sum.decode_seq_s += c.decode_seq_s();
+    sum.decode_kv_token_s += c.decode_kv_token_s();
+  }
+  if (n == 0) return std::nullopt;
+  for (double* x :
+       {&sum.intercept_s, &sum.prefill_token_s, &sum.decode_seq_s, &sum.decode_kv_token_s}) {
+    *x /= n;
+  }
+  return sum;
 }
 
 absl::StatusOr<Answer> Plan(const Workload& w, const Slo& slo, const Options& o) {

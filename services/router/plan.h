@@ -18,11 +18,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "services/router/sim.h"
+#include "services/router/worker_registry.h"
 
 namespace tandem::router::plan {
 
@@ -76,5 +78,18 @@ absl::StatusOr<Prediction> Evaluate(const Workload& w, const Slo& slo, const Opt
                                     int prefill, int decode, int colocated);
 
 absl::StatusOr<Answer> Plan(const Workload& w, const Slo& slo, const Options& o);
+
+// The workload a router observed: each finished request's prompt and output length, over
+// `span_s` seconds of arrivals (Poisson at their mean rate; each length histogram kept to at most
+// 32 bins of equal weight, at evenly spaced ranks). INVALID_ARGUMENT for no requests, lengths of
+// different counts or span_s <= 0.
+absl::StatusOr<Workload> ObservedWorkload(std::vector<double> prompt_tokens,
+                                          std::vector<double> output_tokens, double span_s);
+
+// The mean step cost of a pool's workers that have fitted one (heartbeats' v1::StepCost, at
+// least kMinFittedSteps steps), a negative intercept counted as 0; nullopt while none has. A
+// prefill worker's fit must price prompt tokens, a decode worker's its sequences or their KV.
+std::optional<sim::StepCoefficients> MeanFittedCost(const std::vector<WorkerRegistry::Load>& pool,
+                                                    bool prefill);
 
 }  // namespace tandem::router::plan

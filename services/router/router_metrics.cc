@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "services/router/plan.h"
 
 namespace tandem::router {
 namespace {
@@ -115,7 +116,8 @@ void RouterMetrics::RecordEnd(absl::Duration e2e, const std::string& finished_re
   output_tokens_.Add(now, std::max(completion_tokens, 0));
 }
 
-void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int decode_workers) {
+void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int decode_workers,
+                            const std::optional<sim::Costs>& costs) {
   serving_.num_requests_running.Set(running);
   serving_.num_requests_waiting.Set(waiting);
   const absl::Time now = absl::Now();
@@ -123,6 +125,8 @@ void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int d
   in.current_prefill = prefill_workers;
   in.current_decode = decode_workers;
   Recommendation r;
+  std::vector<double> prompts, outputs;
+  double span = 0;
   {
     absl::MutexLock l(&mu_);
     for (SampleWindow* w :
@@ -134,8 +138,7 @@ void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int d
     v = itl_.Values();
     in.p90_itl_s = Percentile(v, 0.9);
     // Rates over the window, or over the router's life while that is shorter.
-    const double span =
-        std::max(1.0, absl::ToDoubleSeconds(std::min(autoscale_.window, now - started_)));
+    span = std::max(1.0, absl::ToDoubleSeconds(std::min(autoscale_.window, now - started_)));
     in.prompt_tokens_per_s = prompt_tokens_.Sum() / span;
     in.output_tokens_per_s = output_tokens_.Sum() / span;
     const double busy = prefill_seconds_.Sum();
@@ -144,11 +147,47 @@ void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int d
                                                                   : 0;
     in.decode_capacity_tps = autoscale_.decode_capacity_tps;
     r = Recommend(in, autoscale_);
-    last_ = r;
     last_inputs_ = in;
+    if (costs.has_value() && (autoscale_.slo_ttft_s > 0 || autoscale_.slo_itl_s > 0) &&
+        prompt_tokens_.size() >= kMinPlanRequests) {
+      prompts = prompt_tokens_.Values();
+      outputs = output_tokens_.Values();
+    }
+  }
+  if (!prompts.empty()) {
+    // The planner simulates outside the lock: requests keep being recorded meanwhile.
+    std::optional<Recommendation> p =
+        Planned(std::move(prompts), std::move(outputs), span, *costs);
+    if (p.has_value()) r = *p;
+  }
+  {
+    absl::MutexLock l(&mu_);
+    last_ = r;
   }
   recommended_prefill_->Set(r.prefill);
   recommended_decode_->Set(r.decode);
+}
+
+std::optional<Recommendation> RouterMetrics::Planned(std::vector<double> prompts,
+                                                    std::vector<double> outputs, double span_s,
+                                                    const sim::Costs& costs) const {
+  absl::StatusOr<plan::Workload> w =
+      plan::ObservedWorkload(std::move(prompts), std::move(outputs), span_s);
+  if (!w.ok()) return std::nullopt;
+  plan::Options o;
+  o.costs = costs;
+  o.max_workers = std::max(2, autoscale_.max_replicas * 2);  // P + D, each up to the cap
+  o.attainment = 0.9;  // the rule's p90
+  o.colocated = false;
+  absl::StatusOr<plan::Answer> a =
+      plan::Plan(*w, plan::Slo{autoscale_.slo_ttft_s, autoscale_.slo_itl_s}, o);
+  if (!a.ok() || a->disaggregated.workers() == 0) return std::nullopt;
+  const int hi = std::max(autoscale_.min_replicas, autoscale_.max_replicas);
+  Recommendation r;
+  r.prefill = std::clamp(a->disaggregated.prefill, autoscale_.min_replicas, hi);
+  r.decode = std::clamp(a->disaggregated.decode, autoscale_.min_replicas, hi);
+  r.planned = true;
+  return r;
 }
 
 Recommendation RouterMetrics::last_recommendation() const {

@@ -3,8 +3,11 @@
 //   tandem_ttft_breakdown_seconds{model_name,role="router",stage}  histogram, one series per
 //     stage: queue, prefill_compute, kv_transfer, prefix_onboarding_device,
 //     prefix_onboarding_host, prefix_onboarding_ssd, first_decode_step;
-//   tandem_recommended_replicas{model_name,role}  gauge, role = prefill | decode: autoscale.h's
-//     rule over the last AutoscaleOptions::window of observations;
+//   tandem_recommended_replicas{model_name,role}  gauge, role = prefill | decode: for a
+//     disaggregated cluster whose workers have fitted their step costs, with an SLO target and
+//     at least kMinPlanRequests requests in the window, `tandem plan`'s answer (plan.h) for the
+//     window's workload at 90% attainment; otherwise (or when no cluster up to max_replicas meets
+//     the targets) autoscale.h's rule over the last AutoscaleOptions::window of observations;
 //   tandem_slo_rejected_total{model_name,role="router",priority}  counter: requests refused for
 //     their TTFT target (slo.h), at arrival or after waiting past it in the queue, by class.
 // Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
@@ -19,13 +22,16 @@
 #pragma once
 
 #include <array>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "services/common/metrics.h"
 #include "services/router/autoscale.h"
+#include "services/router/sim.h"
 #include "tandem/v1/inference.pb.h"
 
 namespace tandem::router {
@@ -38,6 +44,9 @@ inline constexpr std::array<const char*, 7> kTtftStages = {"queue",
                                                            "prefix_onboarding_host",
                                                            "prefix_onboarding_ssd",
                                                            "first_decode_step"};
+
+// Requests the window must hold before the planner answers for it.
+inline constexpr size_t kMinPlanRequests = 20;
 
 class RouterMetrics {
  public:
@@ -62,14 +71,21 @@ class RouterMetrics {
                  int completion_tokens);
 
   // Refreshes the gauges (running, waiting, recommended replicas); called before each scrape.
-  // Counts are non-draining workers per pool (colocated in both).
-  void Refresh(int running, int waiting, int prefill_workers, int decode_workers);
+  // Counts are non-draining workers per pool (colocated in both). `costs`: the prefill and decode
+  // pools' fitted step costs, when the cluster is disaggregated and both pools have fitted them;
+  // with them the recommendation comes from the planner (a few simulations, milliseconds).
+  void Refresh(int running, int waiting, int prefill_workers, int decode_workers,
+               const std::optional<sim::Costs>& costs = std::nullopt);
 
   // What the last Refresh computed (for tests and logs).
   Recommendation last_recommendation() const;
   AutoscaleInputs last_inputs() const;
 
  private:
+  // The planner's P and D counts for the observed workload; nullopt when it has none.
+  std::optional<Recommendation> Planned(std::vector<double> prompts, std::vector<double> outputs,
+                                        double span_s, const sim::Costs& costs) const;
+
   services::Metrics* metrics_;
   services::ServingMetrics& serving_;
   std::array<prometheus::Histogram*, kTtftStages.size()> stages_{};

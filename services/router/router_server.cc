@@ -1,9 +1,14 @@
 #include "services/router/router_server.h"
 
+#include <algorithm>
+#include <optional>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "common/gguf/gguf.h"
 #include "common/util/status_util.h"
 #include "services/router/log.h"
+#include "services/router/plan.h"
 
 namespace tandem::router {
 
@@ -108,14 +113,26 @@ std::string RouterServer::address() const {
 }
 
 void RouterServer::RefreshMetrics() {
-  int prefill = 0, decode = 0;
+  int prefill = 0, decode = 0, both = 0;
   for (const v1::WorkerInfo& w : registry_->List()) {
     if (w.draining()) continue;
-    const bool both = w.role() == v1::WORKER_ROLE_BOTH;
-    if (both || w.role() == v1::WORKER_ROLE_PREFILL) prefill++;
-    if (both || w.role() == v1::WORKER_ROLE_DECODE) decode++;
+    const bool b = w.role() == v1::WORKER_ROLE_BOTH;
+    both += b;
+    if (b || w.role() == v1::WORKER_ROLE_PREFILL) prefill++;
+    if (b || w.role() == v1::WORKER_ROLE_DECODE) decode++;
   }
-  router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode);
+  // The planner answers for disaggregated clusters whose pools have both fitted their costs.
+  std::optional<sim::Costs> costs;
+  if (both == 0 && prefill > 0 && decode > 0) {
+    std::optional<sim::StepCoefficients> p = plan::MeanFittedCost(registry_->Loads(Pool::kPrefill), true);
+    std::optional<sim::StepCoefficients> d = plan::MeanFittedCost(registry_->Loads(Pool::kDecode), false);
+    if (p.has_value() && d.has_value()) {
+      costs.emplace();
+      costs->prefill = *p;
+      costs->decode = *d;
+    }
+  }
+  router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode, costs);
 }
 
 void RouterServer::SweepLoop() {

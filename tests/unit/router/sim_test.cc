@@ -8,7 +8,10 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "services/common/metrics.h"
 #include "services/router/plan.h"
+#include "services/router/router_metrics.h"
+#include "services/router/slo.h"
 
 namespace tandem::router::sim {
 namespace {
@@ -311,6 +314,109 @@ TEST(PlanTest, NothingMeetsAnImpossibleTarget) {
   // A prefill of 300 tokens alone takes 40 ms.
   auto a = Plan(w, Slo{0.02, 0}, o);
   EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(PlanTest, ObservedWorkloadKeepsTheRateAndTheLengths) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> len(10, 1000);
+  std::vector<double> in, out;
+  double in_sum = 0;
+  for (int i = 0; i < 500; ++i) {
+    in.push_back(len(rng));
+    in_sum += in.back();
+    out.push_back(len(rng) / 10);
+  }
+  auto w = ObservedWorkload(in, out, 25);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_DOUBLE_EQ(w->rate, 20);
+  ASSERT_EQ(w->input.bins.size(), 32u);
+  double s = 0;
+  for (const auto& [l, weight] : w->input.bins) s += l * weight;
+  EXPECT_NEAR(s / 32, in_sum / 500, 0.03 * in_sum / 500);  // the bins' mean is the data's
+  EXPECT_EQ(ObservedWorkload({}, {}, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ObservedWorkload({1}, {}, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ObservedWorkload({1}, {1}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// tandem_recommended_replicas comes from the planner once the pools have fitted costs and the
+// window holds enough requests; before that, from autoscale.h's rule.
+TEST(PlanTest, RouterRecommendsThePlannersCounts) {
+  services::Metrics m;
+  AutoscaleOptions ao;
+  ao.slo_ttft_s = 0.25;
+  ao.slo_itl_s = 0.05;
+  ao.max_replicas = 32;
+  RouterMetrics rm(&m, "model", ao);
+  for (size_t i = 0; i + 1 < kMinPlanRequests; ++i) {
+    rm.RecordEnd(absl::Milliseconds(500), "length", 300, 40);
+  }
+  rm.Refresh(0, 0, 1, 1, PlanCosts());
+  EXPECT_FALSE(rm.last_recommendation().planned);  // too few requests to plan for
+  for (int i = 0; i < 200; ++i) rm.RecordEnd(absl::Milliseconds(500), "length", 300, 40);
+  rm.Refresh(0, 0, 1, 1, std::nullopt);
+  EXPECT_FALSE(rm.last_recommendation().planned);  // no fitted costs
+  rm.Refresh(0, 0, 1, 1, PlanCosts());
+  const Recommendation r = rm.last_recommendation();
+  ASSERT_TRUE(r.planned);
+  // The same answer as the planner's for the workload the window saw, at 90% attainment.
+  const size_t n = kMinPlanRequests - 1 + 200;
+  const double span_s = static_cast<double>(n) * 300 / rm.last_inputs().prompt_tokens_per_s;
+  auto w = ObservedWorkload(std::vector<double>(n, 300), std::vector<double>(n, 40), span_s);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Options o;
+  o.costs = PlanCosts();
+  o.attainment = 0.9;
+  o.colocated = false;
+  o.max_workers = 64;
+  auto a = Plan(*w, Slo{0.25, 0.05}, o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(r.prefill, a->disaggregated.prefill);
+  EXPECT_EQ(r.decode, a->disaggregated.decode);
+  EXPECT_GT(r.prefill + r.decode, 2);  // the load needs more than the one worker per pool
+}
+
+TEST(PlanTest, RouterFallsBackToTheRuleWhenNoClusterMeetsTheTargets) {
+  services::Metrics m;
+  AutoscaleOptions ao;
+  ao.slo_ttft_s = 0.02;  // a 300-token prefill alone takes 40 ms
+  ao.max_replicas = 9;
+  RouterMetrics rm(&m, "model", ao);
+  for (int i = 0; i < 200; ++i) rm.RecordEnd(absl::Milliseconds(500), "length", 300, 40);
+  rm.RecordFirstToken(absl::Now(), absl::Milliseconds(400), v1::TtftBreakdown());
+  rm.Refresh(0, 0, 1, 1, PlanCosts());
+  const Recommendation r = rm.last_recommendation();
+  EXPECT_FALSE(r.planned);
+  EXPECT_EQ(r.prefill, 9);  // the rule's latency term: p90 TTFT 20x the target, capped
+}
+
+TEST(PlanTest, MeanFittedCostCountsOnlyWorkersThatPriceTheirRole) {
+  auto load = [](uint64_t steps, double intercept, double token, double seq, double kv) {
+    WorkerRegistry::Load l;
+    l.cost.set_steps(steps);
+    l.cost.set_intercept_s(intercept);
+    l.cost.set_prefill_token_s(token);
+    l.cost.set_decode_seq_s(seq);
+    l.cost.set_decode_kv_token_s(kv);
+    return l;
+  };
+  EXPECT_FALSE(MeanFittedCost({}, true).has_value());
+  // Too few steps, and a fit that prices no prompt token, are left out of prefill's mean.
+  const std::vector<WorkerRegistry::Load> prefill = {
+      load(100, 0.004, 2e-4, 0, 0), load(100, -0.001, 4e-4, 0, 0),
+      load(kMinFittedSteps - 1, 9, 9, 9, 9), load(100, 9, 0, 9, 9)};
+  auto p = MeanFittedCost(prefill, true);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_DOUBLE_EQ(p->intercept_s, 0.002);  // the negative intercept counts as 0
+  EXPECT_DOUBLE_EQ(p->prefill_token_s, 3e-4);
+  const std::vector<WorkerRegistry::Load> decode = {load(50, 0.01, 0, 5e-4, 0),
+                                                    load(50, 0.03, 0, 0, 2e-6),
+                                                    load(50, 9, 0, 0, 0)};
+  auto d = MeanFittedCost(decode, false);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_DOUBLE_EQ(d->intercept_s, 0.02);
+  EXPECT_DOUBLE_EQ(d->decode_seq_s, 2.5e-4);
+  EXPECT_DOUBLE_EQ(d->decode_kv_token_s, 1e-6);
+  EXPECT_FALSE(MeanFittedCost({load(50, 9, 0, 0, 0)}, false).has_value());
 }
 
 }  // namespace
