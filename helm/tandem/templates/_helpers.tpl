@@ -211,6 +211,9 @@ startupProbe:
 readinessProbe:
   {{- include "tandem.probeAction" . | trim | nindent 2 }}
   periodSeconds: 5
+  {{- /* Not the 1 s default: on a node whose cores are saturated, a health answer can take
+         over 1 s, and two such answers took every pod out of its Service at once. */}}
+  timeoutSeconds: 3
   failureThreshold: 2
 livenessProbe:
   {{- include "tandem.probeAction" . | trim | nindent 2 }}
