@@ -156,11 +156,9 @@ std::optional<sim::StepCoefficients> MeanFittedCost(const std::vector<WorkerRegi
   int n = 0;
   for (const WorkerRegistry::Load& l : pool) {
     const v1::StepCost& c = l.cost;
-    const bool priced =
-        prefill ? c.prefill_token_s() > 0 : c.decode_seq_s() > 0 || c.decode_kv_token_s() > 0;
-    if (c.steps() < kMinFittedSteps || !priced) continue;
+    if (!(prefill ? FittedForPrefill(c) : FittedForDecode(c))) continue;
     ++n;
-    sum.intercept_s += std::max(0.0, c.intercept_s());
+    sum.intercept_s += FittedIntercept(c);
     sum.prefill_token_s += c.prefill_token_s();
     sum.decode_seq_s += c.decode_seq_s();
     sum.decode_kv_token_s += c.decode_kv_token_s();

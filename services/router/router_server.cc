@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/gguf/gguf.h"
@@ -124,8 +123,10 @@ void RouterServer::RefreshMetrics() {
   // The planner answers for disaggregated clusters whose pools have both fitted their costs.
   std::optional<sim::Costs> costs;
   if (both == 0 && prefill > 0 && decode > 0) {
-    std::optional<sim::StepCoefficients> p = plan::MeanFittedCost(registry_->Loads(Pool::kPrefill), true);
-    std::optional<sim::StepCoefficients> d = plan::MeanFittedCost(registry_->Loads(Pool::kDecode), false);
+    std::optional<sim::StepCoefficients> p =
+        plan::MeanFittedCost(registry_->Loads(Pool::kPrefill), /*prefill=*/true);
+    std::optional<sim::StepCoefficients> d =
+        plan::MeanFittedCost(registry_->Loads(Pool::kDecode), /*prefill=*/false);
     if (p.has_value() && d.has_value()) {
       costs.emplace();
       costs->prefill = *p;

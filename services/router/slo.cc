@@ -5,18 +5,24 @@
 #include <limits>
 
 namespace tandem::router {
-namespace {
 
-bool Fitted(const v1::StepCost& c) {
+bool FittedForPrefill(const v1::StepCost& c) {
   return c.steps() >= kMinFittedSteps && c.prefill_token_s() > 0;
+}
+
+bool FittedForDecode(const v1::StepCost& c) {
+  return c.steps() >= kMinFittedSteps && (c.decode_seq_s() > 0 || c.decode_kv_token_s() > 0);
 }
 
 // A least-squares intercept can come out below zero when every step was about the same size
 // (a prefill worker seeing one prompt length); a step never costs less than nothing.
-double Intercept(const v1::StepCost& c) { return std::max(0.0, c.intercept_s()); }
+double FittedIntercept(const v1::StepCost& c) { return std::max(0.0, c.intercept_s()); }
+
+namespace {
 
 double Work(const WorkerRegistry::Load& l) {
-  return l.backlog_requests * Intercept(l.cost) + l.backlog_tokens * l.cost.prefill_token_s();
+  return l.backlog_requests * FittedIntercept(l.cost) +
+         l.backlog_tokens * l.cost.prefill_token_s();
 }
 
 }  // namespace
@@ -27,10 +33,10 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
   int n = 0;
   double backlog = 0, intercept = 0, per_token = 0;
   for (const WorkerRegistry::Load& l : pool) {
-    if (!Fitted(l.cost)) continue;
+    if (!FittedForPrefill(l.cost)) continue;
     ++n;
     backlog += Work(l);
-    intercept += Intercept(l.cost);
+    intercept += FittedIntercept(l.cost);
     per_token += l.cost.prefill_token_s();
   }
   if (n == 0) return p;
@@ -44,7 +50,7 @@ TtftPrediction PredictTtft(const std::vector<WorkerRegistry::Load>& pool, int64_
 }
 
 double BacklogSeconds(const WorkerRegistry::Load& worker) {
-  return Fitted(worker.cost) ? Work(worker) : 0;
+  return FittedForPrefill(worker.cost) ? Work(worker) : 0;
 }
 
 double SloTracker::correction_s() const {

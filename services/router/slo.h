@@ -44,6 +44,13 @@ namespace tandem::router {
 inline constexpr uint64_t kMinFittedSteps = 8;
 inline constexpr double kCorrectionQuantile = 0.9;
 
+// Whether a worker's fitted step cost (kMinFittedSteps steps or more) prices what its role does:
+// prompt tokens for prefill, sequences or their KV for decode.
+bool FittedForPrefill(const v1::StepCost& c);
+bool FittedForDecode(const v1::StepCost& c);
+// The fitted intercept, never below 0 (a least-squares fit can put it there).
+double FittedIntercept(const v1::StepCost& c);
+
 struct TtftPrediction {
   bool known = false;      // some worker of the pool has a fitted cost
   double seconds = 0;      // predicted TTFT, correction included
