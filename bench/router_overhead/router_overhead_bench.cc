@@ -88,9 +88,9 @@ class Round {
     if (status.ok() && tokens == 1) {
       latency_ms_[index] = ms;
     } else {
-      status_[index] = status.ok() ? "expected 1 token, got " + std::to_string(tokens)
-                                   : std::to_string(status.error_code()) + ": " +
-                                         status.error_message();
+      status_[index] = status.ok()
+                           ? "expected 1 token, got " + std::to_string(tokens)
+                           : std::to_string(status.error_code()) + ": " + status.error_message();
     }
     if (++done_ == static_cast<int>(latency_ms_.size())) cv_.notify_all();
   }
@@ -189,7 +189,8 @@ constexpr double kPercentiles[] = {50, 90, 99, 99.9};
 constexpr const char* kNames[] = {"p50_ms", "p90_ms", "p99_ms", "p999_ms"};
 
 json Summary(const std::vector<double>& ms, int errors, double offered_s) {
-  json j = {{"completed", ms.size()}, {"errors", errors},
+  json j = {{"completed", ms.size()},
+            {"errors", errors},
             {"throughput_rps", static_cast<double>(ms.size()) / offered_s}};
   double sum = 0;
   for (double v : ms) sum += v;
@@ -209,11 +210,14 @@ int main(int argc, char** argv) {
   app.add_option("--worker", o.worker, "Colocated worker host:port")->required();
   app.add_option("--rate", o.rate, "Requests per second (Poisson)")->check(CLI::PositiveNumber);
   app.add_option("--seconds", o.seconds, "Length of each round")->check(CLI::PositiveNumber);
-  app.add_option("--rounds", o.rounds, "Rounds per target, alternating")->check(CLI::PositiveNumber);
+  app.add_option("--rounds", o.rounds, "Rounds per target, alternating")
+      ->check(CLI::PositiveNumber);
   app.add_option("--prompt-len", o.prompt_len, "Prompt tokens")->check(CLI::Range(1, 4096));
-  app.add_option("--vocab", o.vocab, "Token ids are drawn below this")->check(CLI::Range(2, 1 << 24));
+  app.add_option("--vocab", o.vocab, "Token ids are drawn below this")
+      ->check(CLI::Range(2, 1 << 24));
   app.add_option("--seed", o.seed);
-  app.add_option("--timeout-s", o.timeout_s, "Deadline of each request")->check(CLI::PositiveNumber);
+  app.add_option("--timeout-s", o.timeout_s, "Deadline of each request")
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", o.out, "JSON results");
   CLI11_PARSE(app, argc, argv);
 
@@ -264,7 +268,8 @@ int main(int argc, char** argv) {
   const double offered = o.seconds * o.rounds;
   json direct = Summary(all[0], errors[0], offered), routed = Summary(all[1], errors[1], offered);
   json added;
-  for (const char* name : kNames) added[name] = routed[name].get<double>() - direct[name].get<double>();
+  for (const char* name : kNames)
+    added[name] = routed[name].get<double>() - direct[name].get<double>();
   json result = {{"config",
                   {{"rate", o.rate},
                    {"seconds", o.seconds},
