@@ -163,7 +163,7 @@ int64_t Tracer::dropped() const {
 
 NvtxRange::NvtxRange(const char* name) {
 #if TANDEM_HAVE_NVTX
-  nvtxRangePushA(name);
+  id_ = nvtxRangeStartA(name);
 #else
   (void)name;
 #endif
@@ -171,7 +171,7 @@ NvtxRange::NvtxRange(const char* name) {
 
 NvtxRange::~NvtxRange() {
 #if TANDEM_HAVE_NVTX
-  nvtxRangePop();
+  nvtxRangeEnd(id_);
 #endif
 }
 

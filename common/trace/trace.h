@@ -85,14 +85,18 @@ class Tracer {
   int64_t last_flush_us_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// An NVTX range on the calling thread for its lifetime, for Nsight Systems, in builds with the
-// CUDA toolkit; nothing otherwise. Without a profiler attached NVTX calls return at once.
+// An NVTX range for its lifetime, for Nsight Systems, in builds with the CUDA toolkit; nothing
+// otherwise. A start/end range, not a push/pop one: it may end on another thread than it began
+// (a router task resumes wherever its RPC completed). Without a profiler attached NVTX calls return at once.
 class NvtxRange {
  public:
   explicit NvtxRange(const char* name);
   ~NvtxRange();
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;
+
+ private:
+  uint64_t id_ = 0;  // nvtxRangeId_t
 };
 
 // A slice on the calling thread from construction to destruction; nothing when the tracer is

@@ -16,16 +16,23 @@
 // worker's FIFO queue where an interactive request would wait behind batch ones. Kick() makes
 // waiters look at the gate again.
 //
+// Waiting takes no thread: AcquireAsync queues a callback, which a released slot, Kick(),
+// Arrived() or the admission's own timer thread (deadlines, give-up times, cancelled callers and
+// a gate that opens unannounced, checked every few ms while anyone waits) calls with the result.
+// Acquire() is the blocking form.
+//
 // Threading: thread-safe. A Slot is released by its destructor on any thread.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <set>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -55,11 +62,30 @@ class Admission {
  public:
   // max_inflight >= 1, max_queue >= 0 (checked by the caller's options validation).
   Admission(int max_inflight, int max_queue);
+  ~Admission();  // waiters still queued end CANCELLED
+  Admission(const Admission&) = delete;
+  Admission& operator=(const Admission&) = delete;
 
-  // Waits for a slot. `cancelled` is polled while waiting (it may be empty). `tokens` is the
-  // request's prompt length, for tokens_ahead(). A request still waiting at `give_up` (the last
-  // moment it could start and still meet its TTFT target) leaves with RESOURCE_EXHAUSTED rather
-  // than be served late.
+  struct Request {
+    absl::Time deadline = absl::InfiniteFuture();
+    // Polled under the admission lock while the request waits (it may be empty): cheap, and
+    // must not call into this object.
+    std::function<bool()> cancelled;
+    Priority priority = Priority::kStandard;
+    int64_t tokens = 0;  // the request's prompt length, for tokens_ahead()
+    // The last moment the request could start and still meet its TTFT target: still waiting
+    // then, it leaves with RESOURCE_EXHAUSTED rather than be served late.
+    absl::Time give_up = absl::InfiniteFuture();
+  };
+  using Done = std::function<void(absl::StatusOr<Slot>)>;
+
+  // Returns the outcome when it is known at once (a free slot, or a refusal), and then never
+  // calls `done`. Otherwise the request waits, and `done` is called exactly once with the slot
+  // or the failure, later, on another call's thread or the timer thread, with no lock of this
+  // object held. `done` must be cheap (it runs inside whichever call freed the slot).
+  std::optional<absl::StatusOr<Slot>> AcquireAsync(Request r, Done done);
+
+  // AcquireAsync, waiting on the calling thread.
   absl::StatusOr<Slot> Acquire(absl::Time deadline, const std::function<bool()>& cancelled,
                                Priority priority = Priority::kStandard, int64_t tokens = 0,
                                absl::Time give_up = absl::InfiniteFuture());
@@ -85,7 +111,22 @@ class Admission {
 
  private:
   friend class Slot;
+  struct Waiter {
+    int cls = 0;
+    Request r;
+    Done done;
+  };
+  // A finished wait: the callback and what it is given, called once the lock is dropped.
+  using Outcome = std::pair<Done, absl::StatusOr<Slot>>;
   void Release();
+  std::optional<absl::StatusOr<Slot>> Enqueue(Request r, Done done, std::vector<Outcome>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the waits that have failed (deadline, give-up time, cancelled caller) and hands free
+  // slots to the queue's head while the gate allows.
+  void Settle(std::vector<Outcome>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CanStart() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void Deliver(std::vector<Outcome>& out);
+  void TimerLoop();
 
   const int max_inflight_;
   const int max_queue_;
@@ -94,14 +135,14 @@ class Admission {
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;  // handed to each waiter in arrival order
   std::function<bool(int)> gate_ ABSL_GUARDED_BY(mu_);
   int in_transit_ ABSL_GUARDED_BY(mu_) = 0;
-  // Waiters in the order they are served: (class, ticket), with their prompt tokens.
+  // Waiters in the order they are served: (class, ticket), and each one's request.
   std::set<std::pair<int, uint64_t>> queue_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, int64_t> tokens_ ABSL_GUARDED_BY(mu_);
-  // Waiters displaced by a more urgent arrival, until they notice.
-  absl::flat_hash_set<uint64_t> displaced_tickets_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t rejected_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t displaced_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t gave_up_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread timer_;  // last: started once the rest is built
 };
 
 }  // namespace tandem::router

@@ -216,7 +216,7 @@ absl::Status Authenticator::Admit(const std::string& tenant, absl::Time now,
                    b.limit.burst, ") reached; retry after ", absl::FormatDuration(wait)));
 }
 
-absl::StatusOr<std::string> Authenticator::AuthorizeCall(grpc::ServerContext* ctx,
+absl::StatusOr<std::string> Authenticator::AuthorizeCall(grpc::ServerContextBase* ctx,
                                                          bool count_rate) {
   std::string header;
   const auto& md = ctx->client_metadata();
@@ -253,7 +253,7 @@ uint64_t TenantSalt(std::string_view secret, std::string_view tenant) {
   return XXH3_64bits(buf.data(), buf.size());
 }
 
-std::string TenantForRequest(const grpc::ServerContext& ctx, const Authenticator* auth) {
+std::string TenantForRequest(const grpc::ServerContextBase& ctx, const Authenticator* auth) {
   if (auth == nullptr) return "";
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");

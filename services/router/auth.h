@@ -41,7 +41,7 @@
 #include "absl/time/time.h"
 
 namespace grpc {
-class ServerContext;
+class ServerContextBase;
 }
 
 namespace tandem::router {
@@ -74,7 +74,7 @@ class Authenticator {
   absl::Status Admit(const std::string& tenant, absl::Time now, absl::Duration* retry_after);
   // Both, for a gRPC call: reads the `authorization` metadata; on RESOURCE_EXHAUSTED adds the
   // `retry-after` trailing metadata (whole seconds, at least 1). Returns the tenant.
-  absl::StatusOr<std::string> AuthorizeCall(grpc::ServerContext* ctx, bool count_rate = true);
+  absl::StatusOr<std::string> AuthorizeCall(grpc::ServerContextBase* ctx, bool count_rate = true);
 
   uint64_t SaltFor(const std::string& tenant) const;
   // The tenant's request defaults; all empty for a tenant without any.
@@ -102,6 +102,6 @@ uint64_t TenantSalt(std::string_view secret, std::string_view tenant);
 
 // The tenant a Generate call runs as: "" without an authenticator, else the tenant of the
 // call's `authorization` metadata ("" when it has none valid: such calls were refused earlier).
-std::string TenantForRequest(const grpc::ServerContext& ctx, const Authenticator* auth);
+std::string TenantForRequest(const grpc::ServerContextBase& ctx, const Authenticator* auth);
 
 }  // namespace tandem::router

@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <coroutine>
+#include <optional>
 #include <random>
-#include <thread>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
@@ -14,6 +15,7 @@
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "services/common/grpc_await.h"
 #include "services/common/grpc_status.h"
 #include "services/common/sampling_convert.h"
 #include "services/router/log.h"
@@ -33,8 +35,9 @@ absl::Status CancelledByClient() {
 
 // An outgoing call tied to the incoming one: gRPC propagates the client's cancellation and
 // deadline to it, and `deadline` (never later than the request's) bounds it explicitly.
-std::unique_ptr<grpc::ClientContext> Child(const grpc::ServerContext& parent, absl::Time deadline) {
-  std::unique_ptr<grpc::ClientContext> cc = grpc::ClientContext::FromServerContext(parent);
+std::unique_ptr<grpc::ClientContext> Child(const grpc::CallbackServerContext& parent,
+                                           absl::Time deadline) {
+  std::unique_ptr<grpc::ClientContext> cc = grpc::ClientContext::FromCallbackServerContext(parent);
   cc->set_deadline(services::ToChronoDeadline(deadline));
   return cc;
 }
@@ -83,7 +86,73 @@ bool PrefillNeverStarted(const grpc::Status& gs) {
          absl::StrContains(absl::AsciiStrToLower(gs.error_message()), "failed to connect");
 }
 
+// Waits for an admission slot without a thread (Admission::AcquireAsync). A slot freed by
+// another request hands itself over inside that request's call, so the waiter continues on a
+// gRPC thread of its own (services::Hop's alarm) rather than there.
+class AdmissionWait {
+ public:
+  AdmissionWait(Admission* a, Admission::Request r) : a_(a), r_(std::move(r)) {}
+  bool await_ready() const noexcept { return false; }
+  bool await_suspend(std::coroutine_handle<> h) {
+    std::optional<absl::StatusOr<Slot>> now =
+        a_->AcquireAsync(std::move(r_), [this, h](absl::StatusOr<Slot> s) {
+          result_.emplace(std::move(s));
+          hop_.Set(std::chrono::system_clock::now(), [h](bool) { h.resume(); });
+        });
+    if (!now.has_value()) return true;  // suspended: the callback owns `this` from here
+    result_.emplace(std::move(*now));
+    return false;
+  }
+  absl::StatusOr<Slot> await_resume() { return std::move(*result_); }
+
+ private:
+  Admission* a_;
+  Admission::Request r_;
+  std::optional<absl::StatusOr<Slot>> result_;
+  grpc::Alarm hop_;
+};
+
 }  // namespace
+
+// The client's side of one Generate: its messages are written one at a time, each awaited, so
+// a slow client holds back the relay (and through it the worker's stream) instead of growing a
+// buffer here. Deletes itself once gRPC is done with the call.
+class InferenceService::GenerateReactor final
+    : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  explicit GenerateReactor(std::atomic<int>* active) : active_(active) {}
+
+  class WriteAwaiter {
+   public:
+    WriteAwaiter(GenerateReactor* r, const v1::GenerateResponse* msg) : r_(r), msg_(msg) {}
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> h) {
+      r_->write_waiter_ = h;
+      r_->StartWrite(msg_);  // nothing here touches the reactor after this
+    }
+    bool await_resume() const noexcept { return r_->write_ok_; }
+
+   private:
+    GenerateReactor* r_;
+    const v1::GenerateResponse* msg_;
+  };
+  // False once the client is gone. `msg` must live until the write is done.
+  WriteAwaiter Write(const v1::GenerateResponse& msg) { return WriteAwaiter(this, &msg); }
+
+  void OnWriteDone(bool ok) override {
+    write_ok_ = ok;
+    std::exchange(write_waiter_, {}).resume();
+  }
+  void OnDone() override {
+    (*active_)--;
+    delete this;
+  }
+
+ private:
+  std::atomic<int>* active_;
+  std::coroutine_handle<> write_waiter_;
+  bool write_ok_ = false;
+};
 
 // The text of a request after a migration, produced by the router exactly as the decode
 // worker's scheduler produces it (engine/runtime/scheduler.cc Emit and Finish): a streaming
@@ -164,8 +233,8 @@ absl::Status ValidateRouterOptions(const RouterOptions& o) {
 }
 
 struct InferenceService::Call {
-  grpc::ServerContext* ctx = nullptr;
-  grpc::ServerWriter<v1::GenerateResponse>* writer = nullptr;
+  grpc::CallbackServerContext* ctx = nullptr;
+  GenerateReactor* writer = nullptr;
   std::string id;
   PreparedRequest req;
   absl::Time arrival, admitted, deadline;
@@ -344,23 +413,33 @@ void InferenceService::ReleaseId(const std::string& id) {
   active_ids_.erase(id);
 }
 
-grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  active_++;
-  struct Done {
-    std::atomic<int>& n;
-    ~Done() { n--; }
-  } done{active_};
-  if (draining_) {
-    return services::ToGrpcStatus(absl::UnavailableError("the router is shutting down"));
-  }
+grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
+    grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+  active_++;  // until the reactor's OnDone
+  auto* r = new GenerateReactor(&active_);
+  // Runs here until its first wait; gRPC holds what the reactor does before it is returned.
+  Spawn(Drive(r, ctx, req));
+  return r;
+}
+
+Task<void> InferenceService::Drive(GenerateReactor* r, grpc::CallbackServerContext* ctx,
+                                   const v1::GenerateRequest* req) {
+  const absl::Status st = co_await Serve(r, ctx, *req);
+  // The request's last step: gRPC may delete the reactor from here on.
+  r->Finish(services::ToGrpcStatus(st));
+}
+
+Task<absl::Status> InferenceService::Serve(GenerateReactor* r, grpc::CallbackServerContext* ctx,
+                                           const v1::GenerateRequest& request) {
+  const v1::GenerateRequest* req = &request;
+  if (draining_) co_return absl::UnavailableError("the router is shutting down");
   uint64_t salt = tenant_salt_;
   TenantDefaults defaults;
   if (o_.auth != nullptr) {  // API key and the tenant's rate limit (auth.h)
     absl::StatusOr<std::string> tenant = o_.auth->AuthorizeCall(ctx);
     if (!tenant.ok()) {
       failed_++;
-      return services::ToGrpcStatus(tenant.status());
+      co_return tenant.status();
     }
     salt = o_.auth->SaltFor(*tenant);
     defaults = o_.auth->DefaultsFor(*tenant);
@@ -368,19 +447,18 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   Call c;
   c.salt = salt;
   c.ctx = ctx;
-  c.writer = writer;
+  c.writer = r;
   c.arrival = absl::Now();
   c.deadline =
       std::min(services::FromChronoDeadline(ctx->deadline()), c.arrival + o_.default_timeout);
   if (absl::Status st = Prepare(*req, defaults, &c.req); !st.ok()) {
     failed_++;
-    return services::ToGrpcStatus(st);
+    co_return st;
   }
   c.id = req->request_id().empty() ? NewRequestId() : req->request_id();
   if (!ClaimId(c.id)) {
     failed_++;
-    return services::ToGrpcStatus(
-        absl::AlreadyExistsError(absl::StrCat("request_id '", c.id, "' is already in flight")));
+    co_return absl::AlreadyExistsError(absl::StrCat("request_id '", c.id, "' is already in flight"));
   }
   trace::Span span(o_.tracer, "Generate", "rpc", c.id);
   absl::Status result;
@@ -412,9 +490,13 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     const absl::Time give_up = target_s > 0 && c.predicted.known
                                    ? c.arrival + absl::Seconds(target_s - after_admission_s)
                                    : absl::InfiniteFuture();
-    absl::StatusOr<Slot> slot =
-        admission_->Acquire(c.deadline, [ctx] { return ctx->IsCancelled(); }, c.req.priority,
-                            static_cast<int64_t>(c.req.prompt.size()), give_up);
+    Admission::Request wait;
+    wait.deadline = c.deadline;
+    wait.cancelled = [ctx] { return ctx->IsCancelled(); };
+    wait.priority = c.req.priority;
+    wait.tokens = static_cast<int64_t>(c.req.prompt.size());
+    wait.give_up = give_up;
+    absl::StatusOr<Slot> slot = co_await AdmissionWait(admission_, std::move(wait));
     if (o_.tracer != nullptr) {
       o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
                           {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}});
@@ -432,7 +514,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       c.admitted = absl::Now();
       if (metrics_ != nullptr) metrics_->RecordAdmitted(c.admitted - c.arrival);
       c.in_transit = true;
-      result = Route(c);
+      result = co_await Route(c);
       Arrived(c);
     }
   }
@@ -460,10 +542,10 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
          c.decode_worker.c_str(), FinishName(c.finish), c.migrations,
          absl::ToDoubleMilliseconds(absl::Now() - c.arrival), result.ToString().c_str());
   }
-  return services::ToGrpcStatus(result);
+  co_return result;
 }
 
-absl::Status InferenceService::Route(Call& c) {
+Task<absl::Status> InferenceService::Route(Call& c) {
   absl::Time retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
   absl::Duration backoff = absl::Milliseconds(10);
   int unavailable_rounds = 0;
@@ -473,10 +555,10 @@ absl::Status InferenceService::Route(Call& c) {
     const PlanKind plan = registry_->Plan();
     switch (plan) {
       case PlanKind::kDisaggregated:
-        st = RunDisaggregated(c);
+        st = co_await RunDisaggregated(c);
         break;
       case PlanKind::kColocated:
-        st = RunColocated(c);
+        st = co_await RunColocated(c);
         break;
       case PlanKind::kNone:
         st = absl::UnavailableError(absl::StrCat(
@@ -485,33 +567,33 @@ absl::Status InferenceService::Route(Call& c) {
             registry_->size(), " registered, counting draining ones)"));
         break;
     }
-    if (st.ok()) return st;
-    if (c.Cancelled()) return CancelledByClient();
+    if (st.ok()) co_return st;
+    if (c.Cancelled()) co_return CancelledByClient();
     if (c.attempt_relayed) {
       // The stream broke after tokens went out: move it, or fail it.
-      if (!StartMigration(c, st)) return st;
+      if (!co_await StartMigration(c, st)) co_return st;
       retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
       backoff = absl::Milliseconds(10);
       unavailable_rounds = 0;
       continue;
     }
-    if (c.retries_exhausted) return st;  // the prefill retry policy said fail
+    if (c.retries_exhausted) co_return st;  // the prefill retry policy said fail
     // Full pools are worth waiting for; vanished workers get a couple more tries (the
     // registry drops them within a lease); anything else is final.
     const bool full = st.code() == absl::StatusCode::kResourceExhausted;
     const bool gone = plan != PlanKind::kNone && st.code() == absl::StatusCode::kUnavailable &&
                       ++unavailable_rounds < 3;
-    if (!full && !gone) return st;
-    if (absl::Now() + backoff >= retry_until) return st;
+    if (!full && !gone) co_return st;
+    if (absl::Now() + backoff >= retry_until) co_return st;
     for (absl::Time until = absl::Now() + backoff; absl::Now() < until;) {
-      if (c.Cancelled()) return CancelledByClient();
-      absl::SleepFor(std::min(absl::Milliseconds(20), until - absl::Now()));
+      if (c.Cancelled()) co_return CancelledByClient();
+      co_await services::SleepUntil(std::min(until, absl::Now() + absl::Milliseconds(20)));
     }
     backoff = std::min(backoff * 2, absl::Milliseconds(200));
   }
 }
 
-absl::Status InferenceService::RunDisaggregated(Call& c) {
+Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   const std::vector<int32_t> prompt = c.WorkPrompt();
   const v1::SamplingParams sampling = c.WorkSampling();
   // KV-aware choice: the prompt's block hashes as the workers compute them (their block size,
@@ -532,7 +614,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
     last = c.NoneLeft("decode");
     while (true) {
       d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
-      if (!d) return last;
+      if (!d) co_return last;
       tried.insert(d.worker_id());
       v1::ReserveRequest rq;
       rq.set_request_id(c.id);
@@ -544,7 +626,9 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       reserve.Clear();
       trace::Span call(o_.tracer, "call Reserve", "rpc", c.id);
       call.Arg("worker", d.worker_id());
-      const grpc::Status gs = stub->Reserve(cc.get(), rq, &reserve);
+      const grpc::Status gs = co_await services::Unary([&](auto done) {
+        stub->async()->Reserve(cc.get(), &rq, &reserve, std::move(done));
+      });
       call.Arg("code", static_cast<int>(gs.error_code()));
       if (gs.ok()) break;
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
@@ -552,11 +636,11 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       // A Reserve that timed out or was cut off may still have reserved: undo it.
       if (gs.error_code() != grpc::StatusCode::UNAVAILABLE &&
           gs.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
-        CancelOnDecode(d.address(), c.id);
+        co_await CancelOnDecode(d.address(), c.id);
       }
       if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.Avoid(d.worker_id(), st);
-      if (c.Cancelled()) return CancelledByClient();
-      if (!c.RetryOnAnother(st)) return st;
+      if (c.Cancelled()) co_return CancelledByClient();
+      if (!c.RetryOnAnother(st)) co_return st;
       last = st;
     }
     c.decode_worker = d.worker_id();
@@ -578,8 +662,8 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
                                                  })
                          : registry_->Pick(Pool::kPrefill, 0, prefill_tried);
       if (!p) {
-        CancelOnDecode(d.address(), c.id);
-        return last;
+        co_await CancelOnDecode(d.address(), c.id);
+        co_return last;
       }
       prefill_tried.insert(p.worker_id());
       v1::PrefillRequest preq;
@@ -597,7 +681,9 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       call.Arg("worker", p.worker_id());
       p.StartBacklog(static_cast<int64_t>(prompt.size()));
       Arrived(c);
-      const grpc::Status gs = stub->Prefill(cc.get(), preq, &pr);
+      const grpc::Status gs = co_await services::Unary([&](auto done) {
+        stub->async()->Prefill(cc.get(), &preq, &pr, std::move(done));
+      });
       p.EndBacklog();
       admission_->Kick();  // the backlog shrank: a held request may go
       call.Arg("code", static_cast<int>(gs.error_code()));
@@ -611,16 +697,18 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       }
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
                                        absl::StrCat("prefill worker ", p.worker_id(), ": "));
-      if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) CancelOnPrefill(p.address(), c.id);
+      if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) {
+        co_await CancelOnPrefill(p.address(), c.id);
+      }
       if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) c.Avoid(p.worker_id(), st);
       if (c.Cancelled()) {
-        CancelOnDecode(d.address(), c.id);
-        return CancelledByClient();
+        co_await CancelOnDecode(d.address(), c.id);
+        co_return CancelledByClient();
       }
       if (++c.prefill_failures > o_.prefill_retries) c.retries_exhausted = true;
       if (!c.RetryOnAnother(st) || c.retries_exhausted) {
-        CancelOnDecode(d.address(), c.id);
-        return st;
+        co_await CancelOnDecode(d.address(), c.id);
+        co_return st;
       }
       last = st;
       // Back off before the next worker: what broke one (a restarting node, a saturated link)
@@ -629,7 +717,7 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
           std::min(c.deadline, absl::Now() + std::min(absl::Milliseconds(10 << c.prefill_failures),
                                                       absl::Milliseconds(200)));
       while (absl::Now() < until && !c.Cancelled()) {
-        absl::SleepFor(std::min(absl::Milliseconds(10), until - absl::Now()));
+        co_await services::SleepUntil(std::min(until, absl::Now() + absl::Milliseconds(10)));
       }
       if (!PrefillNeverStarted(gs)) {
         spoiled = true;
@@ -638,12 +726,12 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
       // Nothing was written: the reservation (it has a lease) serves the next prefill worker.
     }
     if (!spoiled) break;
-    CancelOnDecode(d.address(), c.id);
+    co_await CancelOnDecode(d.address(), c.id);
     if (o_.verbose) {
       Logf("%s: %s; released the reservation on %s, starting the handoff again", c.id.c_str(),
            last.ToString().c_str(), d.worker_id().c_str());
     }
-    if (round + 1 >= kHandoffRounds) return last;
+    if (round + 1 >= kHandoffRounds) co_return last;
   }
   c.prefill_compute_s = pr.compute_seconds();
   c.kv_transfer_s = pr.transfer_seconds();
@@ -666,22 +754,22 @@ absl::Status InferenceService::RunDisaggregated(Call& c) {
   // For the decode worker's kv_transfer_* series.
   dreq.set_kv_transfer_bytes(pr.bytes_transferred());
   dreq.set_kv_transfer_seconds(pr.transfer_seconds());
-  const absl::Status st = RelayDecode(c, d, dreq);
+  const absl::Status st = co_await RelayDecode(c, d, dreq);
   if (!st.ok() && !c.attempt_relayed && !c.Cancelled()) {
     if (st.code() == absl::StatusCode::kUnavailable) c.Avoid(d.worker_id(), st);
-    CancelOnDecode(d.address(), c.id);
+    co_await CancelOnDecode(d.address(), c.id);
   }
-  return st;
+  co_return st;
 }
 
-absl::Status InferenceService::RunColocated(Call& c) {
+Task<absl::Status> InferenceService::RunColocated(Call& c) {
   absl::flat_hash_set<std::string> tried = c.avoid;
   absl::Status last = c.NoneLeft("colocated");
   const std::vector<int32_t> prompt = c.WorkPrompt();
   const v1::SamplingParams sampling = c.WorkSampling();
   while (true) {
     Assignment w = registry_->Pick(Pool::kColocated, c.req.kv_blocks, tried);
-    if (!w) return last;
+    if (!w) co_return last;
     tried.insert(w.worker_id());
     c.prefill_worker = c.decode_worker = w.worker_id();
     c.decode_address = w.address();
@@ -692,28 +780,29 @@ absl::Status InferenceService::RunColocated(Call& c) {
     dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
     *dreq.mutable_sampling() = sampling;
     dreq.set_prefill_locally(true);
-    const absl::Status st = RelayDecode(c, w, dreq);
-    if (st.ok() || c.attempt_relayed || !c.RetryOnAnother(st)) return st;
+    const absl::Status st = co_await RelayDecode(c, w, dreq);
+    if (st.ok() || c.attempt_relayed || !c.RetryOnAnother(st)) co_return st;
     if (st.code() == absl::StatusCode::kUnavailable) c.Avoid(w.worker_id(), st);
     last = st;
   }
 }
 
-absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
-                                           const v1::DecodeRequest& dreq) {
+Task<absl::Status> InferenceService::RelayDecode(Call& c, Assignment& d,
+                                                 const v1::DecodeRequest& dreq) {
   auto cc = Child(*c.ctx, c.deadline);
   auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
   trace::Span call(o_.tracer, "call Decode", "rpc", c.id);
   call.Arg("worker", d.worker_id());
   if (dreq.prefill_locally()) call.Flow('s');  // colocated: no prefill call started the flow
   const absl::Time sent = absl::Now();
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Decode(cc.get(), dreq);
+  services::StreamReader<v1::GenerateResponse> reader;
+  stub->async()->Decode(cc.get(), &dreq, &reader);
   v1::GenerateResponse msg;
   bool finished = false;
   bool client_gone = false;
   bool router_finished = false;  // the router's own stop check ended the request
   bool worker_cancelled = false;
-  while (reader->Read(&msg)) {
+  while (co_await reader.Read(&msg)) {
     // The worker cancelled the request itself (it is shutting down, say), not the client:
     // with a migration left, this is a broken stream, not the request's end.
     if (msg.finished() && msg.finish_reason() == v1::FINISH_REASON_CANCELLED && !c.Cancelled() &&
@@ -800,7 +889,7 @@ absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
       u->set_completion_tokens(c.completion_tokens);
       if (u->cached_prompt_tokens() == 0) u->set_cached_prompt_tokens(c.onboarded_tokens);
     }
-    if (!c.writer->Write(msg)) {
+    if (!co_await c.writer->Write(msg)) {
       client_gone = true;
       cc->TryCancel();
       break;
@@ -815,41 +904,43 @@ absl::Status InferenceService::RelayDecode(Call& c, Assignment& d,
     }
   }
   if (worker_cancelled || router_finished) cc->TryCancel();
-  const grpc::Status gs = reader->Finish();
+  const grpc::Status gs = co_await reader.Finish();
   if (router_finished) {
-    CancelOnDecode(d.address(), c.id);
-    return absl::OkStatus();
+    co_await CancelOnDecode(d.address(), c.id);
+    co_return absl::OkStatus();
   }
   if (client_gone || c.Cancelled()) {
-    if (!finished) CancelOnDecode(d.address(), c.id);
-    return CancelledByClient();
+    if (!finished) co_await CancelOnDecode(d.address(), c.id);
+    co_return CancelledByClient();
   }
   if (worker_cancelled) {
-    return absl::UnavailableError(
+    co_return absl::UnavailableError(
         absl::StrCat("decode worker ", d.worker_id(), " cancelled the request itself"));
   }
   if (!gs.ok()) {
-    return Prefixed(services::FromGrpcStatus(gs),
-                    absl::StrCat("decode worker ", d.worker_id(), ": "));
+    co_return Prefixed(services::FromGrpcStatus(gs),
+                       absl::StrCat("decode worker ", d.worker_id(), ": "));
   }
   if (!finished) {
-    return absl::InternalError(
+    co_return absl::InternalError(
         absl::StrCat("decode worker ", d.worker_id(), " ended the stream without a final message"));
   }
-  return absl::OkStatus();
+  co_return absl::OkStatus();
 }
 
-bool InferenceService::StartMigration(Call& c, const absl::Status& st) {
-  if (c.migrations >= o_.max_migrations || !MigratableCode(st.code())) return false;
-  if (c.Cancelled() || absl::Now() >= c.deadline) return false;
+Task<bool> InferenceService::StartMigration(Call& c, absl::Status st) {
+  if (c.migrations >= o_.max_migrations || !MigratableCode(st.code())) co_return false;
+  if (c.Cancelled() || absl::Now() >= c.deadline) co_return false;
   const int32_t left = c.WorkMaxTokens();
-  if (left < 1) return false;  // every token went out; only the final message was lost
+  if (left < 1) co_return false;  // every token went out; only the final message was lost
   ++c.migrations;
   migrations_++;
   if (metrics_ != nullptr) metrics_->RecordMigration();
   c.Avoid(c.decode_worker, st);
   // A worker that still answers may still hold the sequence: free its blocks now.
-  if (st.code() != absl::StatusCode::kUnavailable) CancelOnDecode(c.decode_address, c.id);
+  if (st.code() != absl::StatusCode::kUnavailable) {
+    co_await CancelOnDecode(c.decode_address, c.id);
+  }
   if (c.text == nullptr) {
     c.text = std::make_unique<RouterText>(model()->tokenizer(), c.req.prompt, c.req.engine_sampling);
     std::string replay;
@@ -863,31 +954,33 @@ bool InferenceService::StartMigration(Call& c, const absl::Status& st) {
   Logf("%s: decode worker %s broke the stream after %zu tokens (%s); migration %d of at most %d",
        c.id.c_str(), c.decode_worker.c_str(), c.sent_tokens.size(), st.ToString().c_str(),
        c.migrations, o_.max_migrations);
-  return true;
+  co_return true;
 }
 
-void InferenceService::CancelOnDecode(const std::string& address, const std::string& request_id) {
+Task<void> InferenceService::CancelOnDecode(std::string address, std::string request_id) {
   grpc::ClientContext cc;  // not a child: the request's own context may be cancelled already
   cc.set_deadline(services::ToChronoDeadline(absl::Now() + o_.control_timeout));
   v1::CancelRequest rq;
   rq.set_request_id(request_id);
   v1::CancelResponse resp;
-  const grpc::Status gs =
-      v1::DecodeWorker::NewStub(channels_->Get(address))->Cancel(&cc, rq, &resp);
+  auto stub = v1::DecodeWorker::NewStub(channels_->Get(address));
+  const grpc::Status gs = co_await services::Unary(
+      [&](auto done) { stub->async()->Cancel(&cc, &rq, &resp, std::move(done)); });
   if (!gs.ok() && o_.verbose) {
     Logf("%s: Cancel on decode %s failed: %s", request_id.c_str(), address.c_str(),
          gs.error_message().c_str());
   }
 }
 
-void InferenceService::CancelOnPrefill(const std::string& address, const std::string& request_id) {
+Task<void> InferenceService::CancelOnPrefill(std::string address, std::string request_id) {
   grpc::ClientContext cc;
   cc.set_deadline(services::ToChronoDeadline(absl::Now() + o_.control_timeout));
   v1::CancelRequest rq;
   rq.set_request_id(request_id);
   v1::CancelResponse resp;
-  const grpc::Status gs =
-      v1::PrefillWorker::NewStub(channels_->Get(address))->Cancel(&cc, rq, &resp);
+  auto stub = v1::PrefillWorker::NewStub(channels_->Get(address));
+  const grpc::Status gs = co_await services::Unary(
+      [&](auto done) { stub->async()->Cancel(&cc, &rq, &resp, std::move(done)); });
   if (!gs.ok() && o_.verbose) {
     Logf("%s: Cancel on prefill %s failed: %s", request_id.c_str(), address.c_str(),
          gs.error_message().c_str());

@@ -38,8 +38,8 @@
 // RegistryService (tandem.v1.Registry, internal): Register / Heartbeat / Deregister of workers
 // and ListWorkers for tools and tests.
 //
-// Threading: both services are called on gRPC's sync-server threads, many at once; they share
-// only thread-safe objects. Ownership: the services borrow everything; RouterServer owns it.
+// Threading: Generate is a task per request, resumed on gRPC's callback threads; the other
+// methods run on its sync-server threads; all share only thread-safe objects. Ownership: the services borrow everything; RouterServer owns it.
 #pragma once
 
 #include <array>
@@ -53,6 +53,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/util/task.h"
 #include "engine/sampling/sampler.h"
 #include "services/router/admission.h"
 #include "services/router/auth.h"
@@ -127,7 +128,13 @@ struct PreparedRequest {
   absl::Duration tpot_target = absl::ZeroDuration();
 };
 
-class InferenceService final : public v1::Inference::Service {
+// Generate runs on gRPC's callback API: each request is a task (common/util/task.h) that awaits
+// its admission slot, its RPCs to the workers and its backoffs, so a request holds no thread
+// while it waits, and relays its decode stream one message at a time (at most one message held
+// per stream, whatever the speeds of the worker and the client). Tokenize and ListModels, short
+// and CPU-bound, stay synchronous.
+class InferenceService final
+    : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
  public:
   // `metrics` (may be null: nothing recorded) must outlive the service.
   // Every call answers UNAVAILABLE while `models` knows no model yet (model_holder.h).
@@ -135,8 +142,8 @@ class InferenceService final : public v1::Inference::Service {
                    WorkerChannels* channels, const RouterOptions& o,
                    RouterMetrics* metrics = nullptr);
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) override;
   grpc::Status Tokenize(grpc::ServerContext* ctx, const v1::TokenizeRequest* req,
                         v1::TokenizeResponse* resp) override;
   grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest* req,
@@ -163,11 +170,16 @@ class InferenceService final : public v1::Inference::Service {
   TtftPrediction PredictTtft(Priority priority, int64_t tokens) const;
 
  private:
-  struct Call;       // one Generate in progress
-  class RouterText;  // a migrated request's text, made by the router
-  absl::Status Route(Call& c);
-  absl::Status RunDisaggregated(Call& c);
-  absl::Status RunColocated(Call& c);
+  struct Call;            // one Generate in progress
+  class RouterText;       // a migrated request's text, made by the router
+  class GenerateReactor;  // the client's stream
+  Task<void> Drive(GenerateReactor* r, grpc::CallbackServerContext* ctx,
+                   const v1::GenerateRequest* req);
+  Task<absl::Status> Serve(GenerateReactor* r, grpc::CallbackServerContext* ctx,
+                           const v1::GenerateRequest& req);
+  Task<absl::Status> Route(Call& c);
+  Task<absl::Status> RunDisaggregated(Call& c);
+  Task<absl::Status> RunColocated(Call& c);
   // The pool whose workers prefill under the current plan.
   Pool PrefillPool() const;
   // The admission gate with RouterOptions::max_prefill_backlog (slo.h): open while fewer
@@ -175,12 +187,14 @@ class InferenceService final : public v1::Inference::Service {
   bool GateOpen(int in_transit) const;
   // The request's prefill started on a worker, or it ended: it no longer counts as on its way.
   void Arrived(Call& c);
-  absl::Status RelayDecode(Call& c, Assignment& d, const v1::DecodeRequest& dreq);
+  Task<absl::Status> RelayDecode(Call& c, Assignment& d, const v1::DecodeRequest& dreq);
   // After a broken stream: whether the request may move to another worker, and if so the
   // bookkeeping of the move (counted, the old worker avoided, the text taken over).
-  bool StartMigration(Call& c, const absl::Status& st);
-  void CancelOnDecode(const std::string& address, const std::string& request_id);
-  void CancelOnPrefill(const std::string& address, const std::string& request_id);
+  Task<bool> StartMigration(Call& c, absl::Status st);
+  // Frees what a worker holds for the request; done once the worker answered (or the control
+  // timeout passed), so that a new reservation of the same id cannot be overtaken by it.
+  Task<void> CancelOnDecode(std::string address, std::string request_id);
+  Task<void> CancelOnPrefill(std::string address, std::string request_id);
   std::string NewRequestId();
   bool ClaimId(const std::string& id);
   void ReleaseId(const std::string& id);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace tandem::router {
@@ -218,6 +219,75 @@ TEST(AdmissionTest, ClosedGateHoldsFreeSlotsAndTheMostUrgentGoesWhenItOpens) {
             absl::StatusCode::kDeadlineExceeded);
   adm.Arrived();
   EXPECT_TRUE(adm.Acquire(Soon(), nullptr).ok());
+}
+
+
+// The router's form: no thread waits. The outcome comes back at once when known, and otherwise
+// exactly once, later, from the call that freed the slot (or the timer), never from inside
+// AcquireAsync itself.
+TEST(AdmissionTest, AsyncWaitersTakeNoThreadAndAreCalledOnceFromTheReleasingCall) {
+  Admission adm(1, 4);
+  auto now = adm.AcquireAsync({Soon()}, [](absl::StatusOr<Slot>) { FAIL() << "decided at once"; });
+  ASSERT_TRUE(now.has_value());
+  ASSERT_TRUE(now->ok());
+  std::optional<Slot> held(std::move(**now));
+
+  std::vector<absl::StatusOr<Slot>> got;
+  std::vector<std::thread::id> threads;
+  auto record = [&](absl::StatusOr<Slot> s) {
+    got.push_back(std::move(s));
+    threads.push_back(std::this_thread::get_id());
+  };
+  Admission::Request batch{Soon()};
+  batch.priority = Priority::kBatch;
+  EXPECT_FALSE(adm.AcquireAsync(batch, record).has_value());
+  Admission::Request interactive{Soon()};
+  interactive.priority = Priority::kInteractive;
+  EXPECT_FALSE(adm.AcquireAsync(interactive, record).has_value());
+  EXPECT_TRUE(got.empty());  // queued: nothing called yet
+  EXPECT_EQ(adm.waiting(), 2);
+
+  held.reset();  // frees the slot: the interactive waiter gets it inside this call
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(threads[0], std::this_thread::get_id());
+  ASSERT_TRUE(got[0].ok());
+  EXPECT_EQ(adm.running(), 1);
+  EXPECT_EQ(adm.waiting(), 1);
+
+  std::optional<Slot> second(std::move(*got[0]));
+  second.reset();  // frees it: the batch waiter is next, again from this thread
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(threads[1], std::this_thread::get_id());
+  ASSERT_TRUE(got[1].ok());
+  EXPECT_EQ(adm.running(), 1);
+  EXPECT_EQ(adm.waiting(), 0);
+}
+
+// A waiter whose deadline passes is answered by the admission's timer thread, with nobody
+// freeing a slot, and one still queued when the admission goes away is answered CANCELLED.
+TEST(AdmissionTest, AsyncWaitersEndAtTheirDeadlineOrWhenTheAdmissionGoes) {
+  absl::Notification expired;
+  std::optional<absl::Status> timed_out;
+  std::optional<absl::Status> at_end;
+  {
+    Admission adm(1, 4);
+    adm.SetGate([](int) { return false; });  // holds every request in the queue
+    const absl::Time start = absl::Now();
+    ASSERT_FALSE(adm.AcquireAsync({start + absl::Milliseconds(80)},
+                                  [&](absl::StatusOr<Slot> s) {
+                                    timed_out = s.status();
+                                    expired.Notify();
+                                  })
+                     .has_value());
+    ASSERT_TRUE(expired.WaitForNotificationWithTimeout(absl::Seconds(5)));
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(80));
+    EXPECT_EQ(timed_out->code(), absl::StatusCode::kDeadlineExceeded);
+    ASSERT_FALSE(adm.AcquireAsync({Soon()}, [&](absl::StatusOr<Slot> s) { at_end = s.status(); })
+                     .has_value());
+    EXPECT_FALSE(at_end.has_value());
+  }
+  ASSERT_TRUE(at_end.has_value());
+  EXPECT_EQ(at_end->code(), absl::StatusCode::kCancelled);
 }
 
 }  // namespace
