@@ -10,7 +10,8 @@
 #
 # usage: bench/router_overhead/run.sh [BUILD_DIR] [OUT_DIR]  (defaults: build, /tmp/tandem-router-overhead)
 # env:   MODEL (default: ../shared/models/stories260K/stories260K.gguf), RATE (1000),
-#        SECONDS_PER_ROUND (10), ROUNDS (3), PROMPT_LEN (4), SEED (1)
+#        SECONDS_PER_ROUND (10), ROUNDS (3), PROMPT_LEN (4), SEED (1),
+#        LOADGEN_CPU (unset: the load generator is not pinned; a core number: pinned there)
 # Writes OUT_DIR/result.json and prints the table.
 set -euo pipefail
 
@@ -47,7 +48,9 @@ w = [p for p in c["processes"] if p["role"] == "colocated"][0]
 print(c["router"], "127.0.0.1:%d" % w["port"])
 PY
 )
-"$BENCH" --router "$ROUTER" --worker "$WORKER" --rate "$RATE" --seconds "$SECONDS_PER_ROUND" \
+PIN=()
+[ -n "${LOADGEN_CPU:-}" ] && PIN=(taskset -c "$LOADGEN_CPU")
+"${PIN[@]}" "$BENCH" --router "$ROUTER" --worker "$WORKER" --rate "$RATE" --seconds "$SECONDS_PER_ROUND" \
   --rounds "$ROUNDS" --prompt-len "$PROMPT_LEN" --seed "$SEED" \
   --out "$OUT/result.json"
 echo "wrote $OUT/result.json" >&2

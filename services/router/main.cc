@@ -16,6 +16,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "services/common/process_util.h"
 #include "services/common/tls.h"
 #include "services/common/trace_flags.h"
@@ -33,6 +34,10 @@ int Fail(const absl::Status& st) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Abseil as packaged checks every lock acquisition for lock-order cycles, a debugging aid
+  // that cost 3% of the router's CPU at 1,000 req/s (docs/perf/router-overhead.md). The tests
+  // keep it; the served process does not.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   using tandem::router::RouterOptions;
   RouterOptions o;
   CLI::App app{"tandem-router: routes requests to prefill and decode workers"};
