@@ -152,6 +152,25 @@ double StepCostModel::Predict(const StepShape& s) const {
   return std::max(t, 0.0);
 }
 
+TpotCheck CheckDecodeTpot(const StepCostModel& cost, int64_t min_steps,
+                          std::span<const DecodeMember> batch, const DecodeMember& joining) {
+  TpotCheck out;
+  StepShape shape;
+  shape.decode_seqs = static_cast<int64_t>(batch.size()) + 1;
+  shape.decode_kv_tokens = joining.context_tokens;
+  out.target_s = joining.tpot_target_s;
+  for (const DecodeMember& m : batch) {
+    shape.decode_kv_tokens += m.context_tokens;
+    if (m.tpot_target_s > 0 && (out.target_s == 0 || m.tpot_target_s < out.target_s)) {
+      out.target_s = m.tpot_target_s;
+    }
+  }
+  if (batch.empty() || out.target_s <= 0 || cost.steps() < min_steps) return out;
+  out.predicted_s = cost.Predict(shape);
+  out.admit = out.predicted_s <= out.target_s;
+  return out;
+}
+
 double StepCostModel::relative_rmse() const {
   return err_w_ > 0 ? std::sqrt(err2_ / err_w_) : 0.0;
 }

@@ -68,6 +68,26 @@ class StepCostModel {
   double err2_ = 0, err_w_ = 0;
 };
 
+// Decode admission by time per output token (TPOT). A decode step makes one token for every
+// sequence of the batch, so the batch's TPOT is its step time, and one more sequence slows every
+// member. A member as admission sees it:
+struct DecodeMember {
+  // Positions it attends to, averaged over its life: prompt + half its max_tokens.
+  int64_t context_tokens = 0;
+  double tpot_target_s = 0;  // 0: none
+};
+struct TpotCheck {
+  bool admit = true;
+  double predicted_s = 0;  // the batch's decode step with the newcomer; 0: not predicted
+  double target_s = 0;     // the tightest target among them; 0: none
+};
+// Whether `joining` may join `batch`: refused only when the fit has seen at least `min_steps`
+// steps, the batch is not empty, some sequence (the newcomer included) has a target, and the
+// predicted decode step of every member plus the newcomer is past the tightest target. A
+// newcomer to an empty batch is always admitted: alone, it runs as fast as this worker can.
+TpotCheck CheckDecodeTpot(const StepCostModel& cost, int64_t min_steps,
+                          std::span<const DecodeMember> batch, const DecodeMember& joining);
+
 // Bytes and FLOPs a step needs at least, for a model and KV element size.
 struct StepWork {
   double bytes = 0;

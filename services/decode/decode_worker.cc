@@ -18,6 +18,18 @@
 namespace tandem::decode {
 namespace {
 
+// TPOT admission waits for a fit of this many engine steps: before, it admits everything.
+constexpr int64_t kTpotMinFittedSteps = 20;
+
+// A request as TPOT admission counts it: its prompt plus, on average over its life, half of
+// what it may generate.
+engine::DecodeMember MemberOf(int64_t prompt_tokens, int64_t max_tokens, double tpot_target_s) {
+  engine::DecodeMember m;
+  m.context_tokens = prompt_tokens + std::max<int64_t>(max_tokens, 0) / 2;
+  m.tpot_target_s = tpot_target_s;
+  return m;
+}
+
 // request_success_total's finished_reason for a request's final event.
 std::string FinishLabel(const engine::TokenEvent& ev) {
   if (ev.status.code() == absl::StatusCode::kCancelled) return "cancelled";
@@ -397,6 +409,21 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::Reserve(const v1::ReserveReque
   return out;
 }
 
+absl::Status DecodeWorker::AdmitByTpot(const std::string& id,
+                                       const engine::DecodeMember& joining) const {
+  std::vector<engine::DecodeMember> batch;
+  batch.reserve(active_.size() + reservations_.size());
+  for (const auto& [unused, m] : active_) batch.push_back(m);
+  for (const auto& [unused, r] : reservations_) batch.push_back(r.member);
+  const engine::TpotCheck check =
+      engine::CheckDecodeTpot(engine_->step_cost(), kTpotMinFittedSteps, batch, joining);
+  if (check.admit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "request %s: the decode batch of %d sequences with it added is predicted to take %.2f ms "
+      "per output token, past the tightest target in it (%.2f ms)",
+      id, static_cast<int>(batch.size()) + 1, check.predicted_s * 1e3, check.target_s * 1e3));
+}
+
 absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveRequest& req) {
   if (o_.transport == nullptr) {
     return absl::FailedPreconditionError(
@@ -420,6 +447,12 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
     return absl::InvalidArgumentError(absl::StrCat(
         "request needs ", n, " KV blocks; the whole pool holds ", kv.pool().num_blocks()));
   }
+  if (!(req.tpot_target_s() >= 0)) {
+    return absl::InvalidArgumentError("tpot_target_s must be >= 0");
+  }
+  const engine::DecodeMember member = MemberOf(req.prompt_tokens(), req.max_tokens(),
+                                               req.tpot_target_s());
+  TANDEM_RETURN_IF_ERROR(AdmitByTpot(id, member));
   absl::StatusOr<std::vector<int32_t>> blocks = kv.pool().AllocateN(static_cast<int32_t>(n));
   if (!blocks.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", n, " KV blocks; ",
@@ -431,6 +464,7 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   r.blocks = std::move(*blocks);
   r.prompt_tokens = req.prompt_tokens();
   r.max_tokens = req.max_tokens();
+  r.member = member;
   r.lease = lease;
   r.expires = absl::Now() + lease;
 
@@ -503,7 +537,13 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
     if (reservations_.contains(id)) {
       return absl::AlreadyExistsError(absl::StrCat("request ", id, " holds a reservation"));
     }
-    active_[id] = true;
+    if (!(req.tpot_target_s() >= 0)) {
+      return absl::InvalidArgumentError("tpot_target_s must be >= 0");
+    }
+    const engine::DecodeMember member =
+        MemberOf(req.prompt_token_ids_size(), req.sampling().max_tokens(), req.tpot_target_s());
+    TANDEM_RETURN_IF_ERROR(AdmitByTpot(id, member));
+    active_[id] = member;
     auto clock = std::make_shared<RequestClock>();
     clock->arrived = arrived;
     clock->measure_ttft = true;
@@ -570,7 +610,7 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
     }
   }
   // Registered before submitting: the first event may already finish the request.
-  active_[id] = true;
+  active_[id] = r.member;
   auto clock = std::make_shared<RequestClock>();
   clock->arrived = arrived;
   std::vector<int32_t> draft_blocks = TakeDraftBlocks(id, req, std::move(r.draft_blocks));

@@ -151,6 +151,7 @@ class DecodeWorker {
     std::vector<int32_t> draft_blocks;  // the draft's, for the prompt; empty: none asked for
     int32_t prompt_tokens = 0;
     int32_t max_tokens = 0;
+    engine::DecodeMember member;  // counted in the batch from its Reserve on
     absl::Duration lease;
     absl::Time expires;
   };
@@ -184,6 +185,9 @@ class DecodeWorker {
   void PublishStats();
   void PublishSpecStats();
   absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
+  // RESOURCE_EXHAUSTED when `joining` would take the batch (running, queued and reserved
+  // sequences) past its tightest TPOT target (engine::CheckDecodeTpot).
+  absl::Status AdmitByTpot(const std::string& id, const engine::DecodeMember& joining) const;
   absl::Status DoStartDecode(const v1::DecodeRequest& req, std::shared_ptr<TokenStream> stream,
                              absl::Time arrived);
   engine::GenerationRequest MakeRequest(const v1::DecodeRequest& req,
@@ -217,7 +221,8 @@ class DecodeWorker {
 
   // Engine-thread state.
   absl::flat_hash_map<std::string, Reservation> reservations_;
-  absl::flat_hash_map<std::string, bool> active_;  // ids submitted and not yet finished
+  // Ids submitted and not yet finished, each as TPOT admission counts it.
+  absl::flat_hash_map<std::string, engine::DecodeMember> active_;
   std::deque<Quarantined> quarantine_;             // in release order (the hold is fixed)
   // The colocated requests in the scheduler's queue, in its (FIFO) order, so queue time can be
   // measured without the scheduler reporting admissions: after an Iterate, those beyond

@@ -621,6 +621,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       rq.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
       rq.set_max_tokens(c.WorkMaxTokens());
       rq.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(o_.reserve_lease)));
+      rq.set_tpot_target_s(absl::ToDoubleSeconds(c.req.tpot_target));
       auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
       auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
       reserve.Clear();
@@ -780,6 +781,7 @@ Task<absl::Status> InferenceService::RunColocated(Call& c) {
     dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
     *dreq.mutable_sampling() = sampling;
     dreq.set_prefill_locally(true);
+    dreq.set_tpot_target_s(absl::ToDoubleSeconds(c.req.tpot_target));
     const absl::Status st = co_await RelayDecode(c, w, dreq);
     if (st.ok() || c.attempt_relayed || !c.RetryOnAnother(st)) co_return st;
     if (st.code() == absl::StatusCode::kUnavailable) c.Avoid(w.worker_id(), st);

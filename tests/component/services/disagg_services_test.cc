@@ -658,6 +658,51 @@ TEST_F(ServicesTest, ColocatedRequestMatchesOneProcessScheduler) {
   ExpectPoolsAtRest(c);
 }
 
+// Decode admission by time per output token, in the real worker: once its step-cost fit has
+// seen enough steps, a request that its batch (here one held reservation) would be predicted to
+// step too slowly for is refused RESOURCE_EXHAUSTED, holding nothing; a reachable target, or
+// none, is admitted; and a colocated request is checked the same way.
+TEST_F(ServicesTest, DecodeRefusesARequestItsBatchWouldServeTooSlowly) {
+  TestCluster c(model_);
+  const auto prompt = TestPrompt(8, 3);
+  v1::DecodeRequest warm;  // fits the cost model: one engine step per token
+  warm.set_request_id("warm");
+  for (int32_t t : prompt) warm.add_prompt_token_ids(t);
+  *warm.mutable_sampling() = services::SamplingToProto(Seeded(48, 5));
+  warm.set_prefill_locally(true);
+  ASSERT_TRUE(c.Decode(warm).status.ok());
+  ASSERT_TRUE(c.Reserve("held", 8, 8).ok());
+  const int32_t free_before = c.DecodeStats().kv_blocks_free();
+
+  auto reserve = [&](const std::string& id, double tpot_target_s) {
+    grpc::ClientContext ctx;
+    v1::ReserveRequest rq;
+    rq.set_request_id(id);
+    rq.set_prompt_tokens(8);
+    rq.set_max_tokens(8);
+    rq.set_tpot_target_s(tpot_target_s);
+    v1::ReserveResponse resp;
+    return c.decode_stub->Reserve(&ctx, rq, &resp);
+  };
+  // No step of any model takes a microsecond.
+  const grpc::Status refused = reserve("tight", 1e-6);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("per output token"), std::string::npos)
+      << refused.error_message();
+  EXPECT_EQ(c.DecodeStats().kv_blocks_free(), free_before) << "a refusal holds no blocks";
+  EXPECT_EQ(reserve("bad", -1).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(reserve("loose", 10.0).ok());
+  EXPECT_TRUE(reserve("none", 0).ok());
+
+  v1::DecodeRequest local = warm;
+  local.set_request_id("local-tight");
+  local.set_tpot_target_s(1e-6);
+  EXPECT_EQ(c.Decode(local).status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  local.set_request_id("local-loose");
+  local.set_tpot_target_s(10.0);
+  EXPECT_TRUE(c.Decode(local).status.ok());
+}
+
 TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
   TestCluster c(model_);
   const auto prompt = TestPrompt(40, 1);

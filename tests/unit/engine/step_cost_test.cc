@@ -181,5 +181,70 @@ TEST(CpuPeaksTest, PlausibleForThisMachine) {
   EXPECT_LT(p.gflops, 1000);
 }
 
+
+// Decode TPOT admission against a fit of a known line: the newcomer is refused exactly when the
+// batch with it would step slower than the tightest target of any member (its own included),
+// and never before the fit has seen enough steps, into an empty batch, or with no target.
+TEST(StepCostModelTest, DecodeTpotAdmissionRefusesWhatWouldPassTheTightestTarget) {
+  // 1 ms + 200 us per decode sequence + 0.1 us per KV position.
+  auto truth = [](const StepShape& s) {
+    return 1e-3 + 200e-6 * s.decode_seqs + 0.1e-6 * s.decode_kv_tokens;
+  };
+  StepCostModel m;
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> seqs(1, 32), ctx(1, 4000);
+  auto observe = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      StepShape s;
+      s.decode_seqs = seqs(rng);
+      for (int64_t q = 0; q < s.decode_seqs; ++q) s.decode_kv_tokens += ctx(rng);
+      m.Observe(s, truth(s));
+    }
+  };
+  observe(5);
+  std::uniform_int_distribution<int> members(1, 24), tgt_ms(2, 12);
+  std::vector<DecodeMember> batch(8, DecodeMember{1000, 0.002});
+  int admitted = 0, refused = 0;
+  const DecodeMember tight{1000, 0.001};
+  EXPECT_TRUE(CheckDecodeTpot(m, /*min_steps=*/20, batch, tight).admit) << "fit too young";
+  observe(2000);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<DecodeMember> b(members(rng));
+    double tightest = 0;
+    int64_t kv = 0;
+    for (DecodeMember& x : b) {
+      x.context_tokens = ctx(rng);
+      kv += x.context_tokens;
+      // Some members without a target, as requests without one are.
+      x.tpot_target_s = trial % 3 == 0 ? 0.0 : tgt_ms(rng) * 1e-3;
+      if (x.tpot_target_s > 0 && (tightest == 0 || x.tpot_target_s < tightest)) {
+        tightest = x.tpot_target_s;
+      }
+    }
+    DecodeMember joining{ctx(rng), trial % 2 == 0 ? 0.0 : tgt_ms(rng) * 1e-3};
+    if (joining.tpot_target_s > 0 && (tightest == 0 || joining.tpot_target_s < tightest)) {
+      tightest = joining.tpot_target_s;
+    }
+    const StepShape with{0, static_cast<int64_t>(b.size()) + 1, kv + joining.context_tokens};
+    const double want = truth(with);
+    const TpotCheck c = CheckDecodeTpot(m, 20, b, joining);
+    EXPECT_DOUBLE_EQ(c.target_s, tightest);
+    if (tightest == 0) {
+      EXPECT_TRUE(c.admit);
+      continue;
+    }
+    EXPECT_NEAR(c.predicted_s, want, 0.01 * want);
+    // Away from the boundary, where the fit's error could tip it, the verdict is the truth's.
+    if (std::abs(want - tightest) > 0.02 * tightest) {
+      EXPECT_EQ(c.admit, want <= tightest) << "trial " << trial << ": " << want << " vs "
+                                           << tightest;
+    }
+    (c.admit ? admitted : refused)++;
+  }
+  EXPECT_GT(admitted, 50);  // both verdicts were exercised
+  EXPECT_GT(refused, 50);
+  EXPECT_TRUE(CheckDecodeTpot(m, 20, {}, tight).admit) << "alone it is as fast as it gets";
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -328,6 +328,7 @@ TEST_F(RouterTest, DisaggregatedHandoffRelaysTheDecodeStream) {
   Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
   v1::GenerateRequest req = TextRequest("hello world", 5);
   req.mutable_sampling()->set_seed(7);
+  req.set_tpot_target_ms(40);
   Outcome out = Run(req);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
 
@@ -381,6 +382,7 @@ TEST_F(RouterTest, DisaggregatedHandoffRelaysTheDecodeStream) {
   EXPECT_EQ(rs.prompt_tokens(), static_cast<int>(prompt.size()));
   EXPECT_EQ(rs.max_tokens(), 5);
   EXPECT_GT(rs.lease_ms(), 0u);
+  EXPECT_DOUBLE_EQ(rs.tpot_target_s(), 0.040);  // for the decode worker's TPOT admission
   EXPECT_EQ(pf.destination().region(), "region-of-d0");
   EXPECT_EQ(pf.destination().block_ids(0), 100);
   EXPECT_EQ(std::vector<int32_t>(pf.prompt_token_ids().begin(), pf.prompt_token_ids().end()),
@@ -426,6 +428,7 @@ TEST_F(RouterTest, OnlyColocatedWorkersGetPrefillLocally) {
   v1::GenerateRequest req;
   req.mutable_token_ids()->add_ids(1);
   req.mutable_token_ids()->add_ids(260);
+  req.set_tpot_target_ms(25);
   Outcome out = Run(req);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
   EXPECT_EQ(out.messages.back().decode_worker(), "c0");
@@ -434,6 +437,7 @@ TEST_F(RouterTest, OnlyColocatedWorkersGetPrefillLocally) {
   ASSERT_EQ(both.rec.decodes.size(), 1u);
   EXPECT_TRUE(both.rec.decodes[0].prefill_locally());
   EXPECT_EQ(both.rec.decodes[0].prompt_token_ids_size(), 2);
+  EXPECT_DOUBLE_EQ(both.rec.decodes[0].tpot_target_s(), 0.025);
   absl::MutexLock lock2(&decode_only.rec.mu);
   EXPECT_TRUE(decode_only.rec.decodes.empty());
 }
