@@ -92,15 +92,20 @@ void Tracer::Write(json ev) {
   }
 }
 
+int64_t RequestTrack(std::string_view request_id) {
+  // Above every Linux tid (pid_max is at most 2^22), within a JSON viewer's int32.
+  return (int64_t{1} << 30) + static_cast<int64_t>(FlowId(request_id) % (uint64_t{1} << 30));
+}
+
 void Tracer::Complete(std::string_view name, std::string_view cat, int64_t start_us,
-                      int64_t end_us, json args) {
+                      int64_t end_us, json args, int64_t track) {
   Write({{"name", name},
          {"cat", cat},
          {"ph", "X"},
          {"ts", start_us},
          {"dur", std::max<int64_t>(1, end_us - start_us)},
          {"pid", pid_},
-         {"tid", ThreadId()},
+         {"tid", track != 0 ? track : ThreadId()},
          {"args", std::move(args)}});
 }
 
@@ -114,23 +119,23 @@ void Tracer::Async(std::string_view name, std::string_view cat, std::string_view
          {"id", id},     {"pid", pid_}, {"tid", ThreadId()}});
 }
 
-void Tracer::Flow(char phase, std::string_view request_id, int64_t ts_us) {
+void Tracer::Flow(char phase, std::string_view request_id, int64_t ts_us, int64_t track) {
   json ev = {{"name", "request"},
              {"cat", "request"},
              {"ph", std::string(1, phase)},
              {"ts", ts_us},
              {"id", FlowId(request_id)},
              {"pid", pid_},
-             {"tid", ThreadId()}};
+             {"tid", track != 0 ? track : ThreadId()}};
   if (phase == 'f') ev["bp"] = "e";  // bound to the slice enclosing ts, not the next one
   Write(std::move(ev));
 }
 
-void Tracer::NameThread(std::string_view name) {
+void Tracer::NameThread(std::string_view name, int64_t track) {
   Write({{"name", "thread_name"},
          {"ph", "M"},
          {"pid", pid_},
-         {"tid", ThreadId()},
+         {"tid", track != 0 ? track : ThreadId()},
          {"args", {{"name", name}}}});
 }
 
@@ -175,8 +180,9 @@ NvtxRange::~NvtxRange() {
 #endif
 }
 
-Span::Span(Tracer* t, std::string_view name, std::string_view cat, std::string_view request_id)
-    : t_(t), name_(name), nvtx_(name_.c_str()) {
+Span::Span(Tracer* t, std::string_view name, std::string_view cat, std::string_view request_id,
+           int64_t track)
+    : t_(t), name_(name), nvtx_(name_.c_str()), track_(track) {
   if (t_ == nullptr) return;
   cat_ = cat;
   request_id_ = request_id;
@@ -187,7 +193,7 @@ Span::Span(Tracer* t, std::string_view name, std::string_view cat, std::string_v
 
 Span::~Span() {
   if (t_ == nullptr) return;
-  t_->Complete(name_, cat_, start_us_, Tracer::NowMicros(), std::move(args_));
+  t_->Complete(name_, cat_, start_us_, Tracer::NowMicros(), std::move(args_), track_);
 }
 
 void Span::Arg(std::string_view key, json value) {
@@ -195,7 +201,7 @@ void Span::Arg(std::string_view key, json value) {
 }
 
 void Span::Flow(char phase) {
-  if (t_ != nullptr && !request_id_.empty()) t_->Flow(phase, request_id_, start_us_);
+  if (t_ != nullptr && !request_id_.empty()) t_->Flow(phase, request_id_, start_us_, track_);
 }
 
 absl::StatusOr<json> ReadEvents(const std::string& path) {

@@ -43,6 +43,11 @@ struct TracerOptions {
 // Flow id of a request: the same in every process that sees the request id.
 uint64_t FlowId(std::string_view request_id);
 
+// A track (a tid no thread has) of the request's own, for code that serves many requests on
+// few threads, each request hopping between them (the router's tasks): its slices nest on
+// that track as they could not on any one thread. 0 is "the calling thread" below.
+int64_t RequestTrack(std::string_view request_id);
+
 class Tracer {
  public:
   static absl::StatusOr<std::unique_ptr<Tracer>> Create(const TracerOptions& o);
@@ -52,18 +57,19 @@ class Tracer {
 
   static int64_t NowMicros();
 
-  // A slice [start_us, end_us) on the calling thread. Slices of one thread must nest.
+  // A slice [start_us, end_us) on the calling thread, or on `track` (RequestTrack). Slices of
+  // one thread or track must nest.
   void Complete(std::string_view name, std::string_view cat, int64_t start_us, int64_t end_us,
-                nlohmann::json args = nlohmann::json::object());
+                nlohmann::json args = nlohmann::json::object(), int64_t track = 0);
   // A slice on a track of its own per (cat, request id): for work that overlaps other requests'
   // on no one thread, such as a KV transfer completed by transport callbacks.
   void Async(std::string_view name, std::string_view cat, std::string_view request_id,
              int64_t start_us, int64_t end_us, nlohmann::json args = nlohmann::json::object());
   // One step of the request's flow at ts_us on the calling thread, bound to the slice that
   // encloses it there: 's' starts the flow, 't' continues it, 'f' ends it.
-  void Flow(char phase, std::string_view request_id, int64_t ts_us);
-  // Names the calling thread's track.
-  void NameThread(std::string_view name);
+  void Flow(char phase, std::string_view request_id, int64_t ts_us, int64_t track = 0);
+  // Names the calling thread's track, or `track`.
+  void NameThread(std::string_view name, int64_t track = 0);
 
   // Writes the closing bracket; later events are dropped. Also run by the destructor.
   void Close();
@@ -99,11 +105,13 @@ class NvtxRange {
   uint64_t id_ = 0;  // nvtxRangeId_t
 };
 
-// A slice on the calling thread from construction to destruction; nothing when the tracer is
-// null. It is also an NVTX range of the same name (NvtxRange), traced or not.
+// A slice on the calling thread (or on `track`, RequestTrack) from construction to
+// destruction; nothing when the tracer is null. It is also an NVTX range of the same name
+// (NvtxRange), traced or not.
 class Span {
  public:
-  Span(Tracer* t, std::string_view name, std::string_view cat, std::string_view request_id = {});
+  Span(Tracer* t, std::string_view name, std::string_view cat, std::string_view request_id = {},
+       int64_t track = 0);
   ~Span();
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;
@@ -120,6 +128,7 @@ class Span {
   NvtxRange nvtx_;
   std::string cat_, request_id_;
   int64_t start_us_ = 0;
+  int64_t track_ = 0;
   nlohmann::json args_;
 };
 

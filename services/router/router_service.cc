@@ -236,6 +236,7 @@ struct InferenceService::Call {
   grpc::CallbackServerContext* ctx = nullptr;
   GenerateReactor* writer = nullptr;
   std::string id;
+  int64_t track = 0;  // the request's trace track (trace::RequestTrack); 0 without a tracer
   PreparedRequest req;
   absl::Time arrival, admitted, deadline;
   bool relayed_any = false;  // once true, only a migration may run the request again
@@ -460,7 +461,13 @@ Task<absl::Status> InferenceService::Serve(GenerateReactor* r, grpc::CallbackSer
     failed_++;
     co_return absl::AlreadyExistsError(absl::StrCat("request_id '", c.id, "' is already in flight"));
   }
-  trace::Span span(o_.tracer, "Generate", "rpc", c.id);
+  // The request's spans go on a track of its own: its task hops between gRPC's threads, which
+  // other requests' tasks share.
+  if (o_.tracer != nullptr) {
+    c.track = trace::RequestTrack(c.id);
+    o_.tracer->NameThread(absl::StrCat("request ", c.id), c.track);
+  }
+  trace::Span span(o_.tracer, "Generate", "rpc", c.id, c.track);
   absl::Status result;
   // SLO admission (slo.h): a request that would miss its TTFT target is refused now, while the
   // client can still go elsewhere or come back, rather than after it has waited to miss.
@@ -499,7 +506,8 @@ Task<absl::Status> InferenceService::Serve(GenerateReactor* r, grpc::CallbackSer
     absl::StatusOr<Slot> slot = co_await AdmissionWait(admission_, std::move(wait));
     if (o_.tracer != nullptr) {
       o_.tracer->Complete("admission", "router", queued_from, trace::Tracer::NowMicros(),
-                          {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}});
+                          {{"request_id", c.id}, {"priority", PriorityName(c.req.priority)}},
+                          c.track);
     }
     if (!slot.ok()) {
       result = slot.status();
@@ -625,7 +633,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       auto cc = Child(*c.ctx, std::min(c.deadline, absl::Now() + o_.control_timeout));
       auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
       reserve.Clear();
-      trace::Span call(o_.tracer, "call Reserve", "rpc", c.id);
+      trace::Span call(o_.tracer, "call Reserve", "rpc", c.id, c.track);
       call.Arg("worker", d.worker_id());
       const grpc::Status gs = co_await services::Unary([&](auto done) {
         stub->async()->Reserve(cc.get(), &rq, &reserve, std::move(done));
@@ -677,7 +685,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       auto stub = v1::PrefillWorker::NewStub(channels_->Get(p.address()));
       pr.Clear();
       // The request's flow starts here and runs on through the prefill and decode workers.
-      trace::Span call(o_.tracer, "call Prefill", "rpc", c.id);
+      trace::Span call(o_.tracer, "call Prefill", "rpc", c.id, c.track);
       call.Flow('s');
       call.Arg("worker", p.worker_id());
       p.StartBacklog(static_cast<int64_t>(prompt.size()));
@@ -793,7 +801,7 @@ Task<absl::Status> InferenceService::RelayDecode(Call& c, Assignment& d,
                                                  const v1::DecodeRequest& dreq) {
   auto cc = Child(*c.ctx, c.deadline);
   auto stub = v1::DecodeWorker::NewStub(channels_->Get(d.address()));
-  trace::Span call(o_.tracer, "call Decode", "rpc", c.id);
+  trace::Span call(o_.tracer, "call Decode", "rpc", c.id, c.track);
   call.Arg("worker", d.worker_id());
   if (dreq.prefill_locally()) call.Flow('s');  // colocated: no prefill call started the flow
   const absl::Time sent = absl::Now();
