@@ -325,7 +325,14 @@ int main(int argc, char** argv) {
     c->add_option("--cost", s->cost_file, "Step costs JSON (docs/perf/costs/)");
     c->add_option("--cost-from", s->cost_from,
                   "Router host:port: the step costs its workers have fitted");
-    c->add_option("--model", s->model, "GGUF model: fit the step costs on this machine");
+    c->add_option("--model", s->model,
+                  "GGUF model: fit the step costs on this machine (with --device: price it there)");
+    c->add_option("--device", s->device,
+                  "Price --model on a GPU from its published peaks: h100, h200, a100 or l40s");
+    c->add_option("--device-memory-efficiency", s->device_memory_efficiency,
+                  "Fraction of the device's peak bandwidth reached (default 0.75)");
+    c->add_option("--device-compute-efficiency", s->device_compute_efficiency,
+                  "Fraction of the device's peak BF16 FLOP rate reached (default 0.5)");
     c->add_option("--threads", s->threads, "Engine threads when fitting with --model");
     c->add_option("--save-cost", s->save_cost, "Write the step costs used to this JSON");
     c->add_option("--dispatch-ms", s->dispatch_ms, "Router to worker time per request (ms)");

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/util/status_util.h"
 #include "engine/model/model.h"
 #include "engine/runtime/engine.h"
@@ -17,6 +18,7 @@
 #include "tools/tandem/bench_stats.h"
 #include "tools/tandem/bench_workload.h"
 #include "tools/tandem/cluster.h"
+#include "tools/tandem/device_costs.h"
 
 namespace tandem::tools {
 namespace {
@@ -322,7 +324,24 @@ absl::StatusOr<Costs> LoadCosts(const CostSources& s, std::string* source) {
         "give the step costs by exactly one of --cost FILE, --cost-from ROUTER, --model M.gguf");
   }
   Costs c;
-  if (!s.cost_file.empty()) {
+  if (!s.device.empty()) {
+    if (s.model.empty()) {
+      return absl::InvalidArgumentError("--device needs --model: the model whose shape it prices");
+    }
+    for (double e : {s.device_memory_efficiency, s.device_compute_efficiency}) {
+      if (!(e > 0 && e <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--device-memory-efficiency and --device-compute-efficiency must be in "
+                         "(0, 1], got ", e));
+      }
+    }
+    TANDEM_ASSIGN_OR_RETURN(DeviceSpec d, FindDevice(s.device));
+    TANDEM_ASSIGN_OR_RETURN(ModelDemand m, DemandOf(s.model));
+    c = CostsFromDevice(m, d, {s.device_memory_efficiency, s.device_compute_efficiency});
+    *source = absl::StrFormat(
+        "device %s from published peaks (%s) at %.2f of bandwidth and %.2f of FLOP rate, model %s",
+        d.name, d.published, s.device_memory_efficiency, s.device_compute_efficiency, s.model);
+  } else if (!s.cost_file.empty()) {
     TANDEM_ASSIGN_OR_RETURN(c, CostsFromFile(s.cost_file, source));
   } else if (!s.cost_from.empty()) {
     TANDEM_ASSIGN_OR_RETURN(c, CostsFromRouter(s.cost_from, source));

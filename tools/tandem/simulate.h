@@ -38,7 +38,12 @@ namespace tandem::tools {
 struct CostSources {
   std::string cost_file;
   std::string cost_from;  // router host:port
-  std::string model;      // GGUF to calibrate on this machine
+  std::string model;      // GGUF to calibrate on this machine (or, with device, its shape)
+  // A GPU by name (tools/tandem/device_costs.h): costs from its published peaks and the
+  // model's shape instead of a fit on this machine.
+  std::string device;
+  double device_memory_efficiency = 0.75;
+  double device_compute_efficiency = 0.5;
   int threads = 1;
   int max_batch_tokens = 512;
   std::string save_cost;              // write the costs used here
