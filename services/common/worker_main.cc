@@ -222,6 +222,10 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
     ro.registration.set_address(advertised);
     ro.registration.set_model(model_file);
     ro.registration.set_kv_blocks_total(o.kv_blocks_total);
+    ro.registration.set_max_seqs(f.max_seqs);
+    ro.registration.set_max_batch_tokens(f.max_batch_tokens);
+    ro.registration.set_kv_block_size(f.block_size);
+    ro.registration.set_ctx_size(f.ctx_size);
     ro.registration.set_model_card_hash(card_service.card().card_hash());
     ro.stats = o.stats;
     absl::StatusOr<std::unique_ptr<RegistrySet>> r = RegistrySet::Start(rs);

@@ -117,7 +117,7 @@ void RouterMetrics::RecordEnd(absl::Duration e2e, const std::string& finished_re
 }
 
 void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int decode_workers,
-                            const std::optional<sim::Costs>& costs) {
+                            const std::optional<sim::Costs>& costs, const sim::Topology& shape) {
   serving_.num_requests_running.Set(running);
   serving_.num_requests_waiting.Set(waiting);
   const absl::Time now = absl::Now();
@@ -157,7 +157,7 @@ void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int d
   if (!prompts.empty()) {
     // The planner simulates outside the lock: requests keep being recorded meanwhile.
     std::optional<Recommendation> p =
-        Planned(std::move(prompts), std::move(outputs), span, *costs);
+        Planned(std::move(prompts), std::move(outputs), span, *costs, shape);
     if (p.has_value()) r = *p;
   }
   {
@@ -170,12 +170,14 @@ void RouterMetrics::Refresh(int running, int waiting, int prefill_workers, int d
 
 std::optional<Recommendation> RouterMetrics::Planned(std::vector<double> prompts,
                                                     std::vector<double> outputs, double span_s,
-                                                    const sim::Costs& costs) const {
+                                                    const sim::Costs& costs,
+                                                    const sim::Topology& shape) const {
   absl::StatusOr<plan::Workload> w =
       plan::ObservedWorkload(std::move(prompts), std::move(outputs), span_s);
   if (!w.ok()) return std::nullopt;
   plan::Options o;
   o.costs = costs;
+  o.shape = shape;
   o.max_workers = std::max(2, autoscale_.max_replicas * 2);  // P + D, each up to the cap
   o.attainment = 0.9;  // the rule's p90
   o.colocated = false;

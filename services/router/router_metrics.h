@@ -73,9 +73,11 @@ class RouterMetrics {
   // Refreshes the gauges (running, waiting, recommended replicas); called before each scrape.
   // Counts are non-draining workers per pool (colocated in both). `costs`: the prefill and decode
   // pools' fitted step costs, when the cluster is disaggregated and both pools have fitted them;
-  // with them the recommendation comes from the planner (a few simulations, milliseconds).
+  // with them the recommendation comes from the planner (a few simulations, milliseconds), for
+  // workers of `shape` (the workers' registered engine settings; the counts are ignored).
   void Refresh(int running, int waiting, int prefill_workers, int decode_workers,
-               const std::optional<sim::Costs>& costs = std::nullopt);
+               const std::optional<sim::Costs>& costs = std::nullopt,
+               const sim::Topology& shape = {});
 
   // What the last Refresh computed (for tests and logs).
   Recommendation last_recommendation() const;
@@ -84,7 +86,8 @@ class RouterMetrics {
  private:
   // The planner's P and D counts for the observed workload; nullopt when it has none.
   std::optional<Recommendation> Planned(std::vector<double> prompts, std::vector<double> outputs,
-                                        double span_s, const sim::Costs& costs) const;
+                                        double span_s, const sim::Costs& costs,
+                                        const sim::Topology& shape) const;
 
   services::Metrics* metrics_;
   services::ServingMetrics& serving_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "common/gguf/gguf.h"
@@ -113,12 +114,31 @@ std::string RouterServer::address() const {
 
 void RouterServer::RefreshMetrics() {
   int prefill = 0, decode = 0, both = 0;
+  // The planner's worker shape: what the workers registered, the smallest where they differ
+  // (a plan the smallest worker can serve); the planner's defaults where none said.
+  sim::Topology shape;
+  auto smallest = [](int32_t said, auto* field, bool* seen) {
+    if (said <= 0) return;
+    *field = *seen ? std::min<std::remove_reference_t<decltype(*field)>>(*field, said) : said;
+    *seen = true;
+  };
+  bool seqs_seen = false, tokens_seen = false, blocks_seen = false, block_size_seen = false,
+       ctx_seen = false;
   for (const v1::WorkerInfo& w : registry_->List()) {
     if (w.draining()) continue;
     const bool b = w.role() == v1::WORKER_ROLE_BOTH;
     both += b;
-    if (b || w.role() == v1::WORKER_ROLE_PREFILL) prefill++;
-    if (b || w.role() == v1::WORKER_ROLE_DECODE) decode++;
+    if (b || w.role() == v1::WORKER_ROLE_PREFILL) {
+      prefill++;
+      smallest(w.max_batch_tokens(), &shape.max_batch_tokens, &tokens_seen);
+    }
+    if (b || w.role() == v1::WORKER_ROLE_DECODE) {
+      decode++;
+      smallest(w.max_seqs(), &shape.max_seqs, &seqs_seen);
+      smallest(w.kv_blocks_total(), &shape.kv_blocks, &blocks_seen);
+    }
+    smallest(w.kv_block_size(), &shape.block_size, &block_size_seen);
+    smallest(w.ctx_size(), &shape.ctx_size, &ctx_seen);
   }
   // The planner answers for disaggregated clusters whose pools have both fitted their costs.
   std::optional<sim::Costs> costs;
@@ -133,7 +153,8 @@ void RouterServer::RefreshMetrics() {
       costs->decode = *d;
     }
   }
-  router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode, costs);
+  router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode, costs,
+                           shape);
 }
 
 void RouterServer::SweepLoop() {

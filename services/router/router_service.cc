@@ -88,7 +88,7 @@ bool PrefillNeverStarted(const grpc::Status& gs) {
 
 // Waits for an admission slot without a thread (Admission::AcquireAsync). A slot freed by
 // another request hands itself over inside that request's call, so the waiter continues on a
-// gRPC thread of its own (services::Hop's alarm) rather than there.
+// gRPC thread of its own (an alarm set to now, as services::Hop does) rather than there.
 class AdmissionWait {
  public:
   AdmissionWait(Admission* a, Admission::Request r) : a_(a), r_(std::move(r)) {}

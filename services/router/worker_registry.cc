@@ -331,6 +331,10 @@ std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
     i.set_address(w.reg.address());
     i.set_model(w.reg.model());
     i.set_kv_blocks_total(w.reg.kv_blocks_total());
+    i.set_max_seqs(w.reg.max_seqs());
+    i.set_max_batch_tokens(w.reg.max_batch_tokens());
+    i.set_kv_block_size(w.reg.kv_block_size());
+    i.set_ctx_size(w.reg.ctx_size());
     i.set_draining(w.draining);
     if (w.have_stats) *i.mutable_stats() = w.stats;
     i.set_lease_remaining_ms(absl::ToInt64Milliseconds(w.lease_expiry - now));

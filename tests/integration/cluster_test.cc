@@ -354,6 +354,11 @@ TEST_F(ClusterTest, OnePrefillOneDecodeMatchesGenerateAndMovesKvOverTheTransport
     received += st.transport_bytes_received();
     EXPECT_EQ(st.kv_integrity_failures(), 0u) << w.worker_id();
     EXPECT_EQ(w.requests_routed(), 40u) << w.worker_id();
+    // The engine shape each registered, for the router's planner.
+    EXPECT_GT(w.max_seqs(), 0) << w.worker_id();
+    EXPECT_GT(w.max_batch_tokens(), 0) << w.worker_id();
+    EXPECT_EQ(w.kv_block_size(), 16) << w.worker_id();
+    EXPECT_EQ(w.ctx_size(), kCtx) << w.worker_id();
   }
   EXPECT_GT(written, 0u) << "no KV bytes crossed the transport";
   // The `tandem client` CLI prints exactly what `tandem generate` prints.

@@ -375,6 +375,44 @@ TEST(PlanTest, RouterRecommendsThePlannersCounts) {
   EXPECT_GT(r.prefill + r.decode, 2);  // the load needs more than the one worker per pool
 }
 
+// The planner sizes the pools for the workers as registered, not for its default worker: the
+// same traffic needs more decode workers when each holds one sequence than when each holds 32.
+TEST(PlanTest, RouterPlansForTheWorkersRegisteredShape) {
+  constexpr int kRequests = 30;  // in a 1 s window: 30 req/s
+  auto recommend = [](int max_seqs) {
+    services::Metrics m;
+    AutoscaleOptions ao;
+    ao.slo_ttft_s = 0.25;
+    ao.slo_itl_s = 0.05;
+    ao.max_replicas = 32;
+    RouterMetrics rm(&m, "model", ao);
+    for (int i = 0; i < kRequests; ++i) rm.RecordEnd(absl::Milliseconds(500), "length", 300, 40);
+    sim::Topology shape;
+    shape.max_seqs = max_seqs;
+    rm.Refresh(0, 0, 1, 1, PlanCosts(), shape);
+    // The planner's own answer for that shape.
+    const double span_s = kRequests * 300.0 / rm.last_inputs().prompt_tokens_per_s;
+    auto w = ObservedWorkload(std::vector<double>(kRequests, 300),
+                              std::vector<double>(kRequests, 40), span_s);
+    Options o;
+    o.costs = PlanCosts();
+    o.shape = shape;
+    o.attainment = 0.9;
+    o.colocated = false;
+    o.max_workers = 64;
+    auto a = Plan(*w, Slo{0.25, 0.05}, o);
+    EXPECT_TRUE(a.ok()) << a.status();
+    const Recommendation r = rm.last_recommendation();
+    EXPECT_TRUE(r.planned);
+    EXPECT_EQ(r.decode, a->disaggregated.decode) << "max_seqs " << max_seqs;
+    EXPECT_EQ(r.prefill, a->disaggregated.prefill) << "max_seqs " << max_seqs;
+    return r;
+  };
+  const Recommendation wide = recommend(32);
+  const Recommendation narrow = recommend(1);
+  EXPECT_GT(narrow.decode, wide.decode);
+}
+
 TEST(PlanTest, RouterFallsBackToTheRuleWhenNoClusterMeetsTheTargets) {
   services::Metrics m;
   AutoscaleOptions ao;
