@@ -156,7 +156,7 @@ absl::StatusOr<double> DecodeOnce(engine::Engine& eng, const Options& o, int32_t
     }
   }
   const double secs = SecondsSince(t0);
-  eng.kv().pool().UnrefAll(blocks);
+  TANDEM_RETURN_IF_ERROR(eng.kv().pool().UnrefAll(blocks));
   TANDEM_RETURN_IF_ERROR(st);
   return n_gen / secs;
 }
@@ -175,7 +175,7 @@ absl::StatusOr<double> PrefillOnce(engine::Engine& eng, int32_t n, std::mt19937_
     st = eng.Step(std::span<const engine::SeqChunk>(&ch, 1), &logits);
   }
   const double secs = SecondsSince(t0);
-  eng.kv().pool().UnrefAll(blocks);
+  TANDEM_RETURN_IF_ERROR(eng.kv().pool().UnrefAll(blocks));
   TANDEM_RETURN_IF_ERROR(st);
   return n / secs;
 }
@@ -467,7 +467,7 @@ absl::Status Run(const Options& o) {
         rows.push_back({{"k", k}, {"step_ms", Series(ms[k])},
                         {"ratio_to_decode", base > 0 ? Median(ms[k]) / base : 0}});
       }
-      for (const auto& b : blocks) eng->kv().pool().UnrefAll(b);
+      for (const auto& b : blocks) TANDEM_RETURN_IF_ERROR(eng->kv().pool().UnrefAll(b));
       j["verify"] = {{"prefix", prefix}, {"batch", batch}, {"steps", rows}};
     } else if (mode == "matmul") {
       util::ThreadPool pool(o.threads);

@@ -1,6 +1,5 @@
 #include "engine/kv/block_pool.h"
 
-#include <cassert>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -36,18 +35,42 @@ absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateN(int32_t n) {
   return out;
 }
 
-void BlockPool::Ref(int32_t block) {
-  assert(refs_[block] > 0);
+absl::Status BlockPool::Violation(absl::Status st) {
+  ++violations_;
+  last_violation_ = st;
+  return st;
+}
+
+absl::Status BlockPool::Ref(int32_t block) {
+  if (block < 0 || block >= num_blocks()) {
+    return Violation(absl::OutOfRangeError(
+        absl::StrCat("KV block ", block, " referenced: the pool has ", num_blocks())));
+  }
+  if (refs_[block] <= 0) {
+    return Violation(absl::FailedPreconditionError(
+        absl::StrCat("KV block ", block, " referenced while free (a use after free)")));
+  }
   ++refs_[block];
+  return absl::OkStatus();
 }
 
-void BlockPool::Unref(int32_t block) {
-  assert(refs_[block] > 0);
+absl::Status BlockPool::Unref(int32_t block) {
+  if (block < 0 || block >= num_blocks()) {
+    return Violation(absl::OutOfRangeError(
+        absl::StrCat("KV block ", block, " released: the pool has ", num_blocks())));
+  }
+  if (refs_[block] <= 0) {
+    return Violation(absl::FailedPreconditionError(
+        absl::StrCat("KV block ", block, " released while free (a double free)")));
+  }
   if (--refs_[block] == 0) free_.push_back(block);
+  return absl::OkStatus();
 }
 
-void BlockPool::UnrefAll(std::span<const int32_t> blocks) {
-  for (int32_t b : blocks) Unref(b);
+absl::Status BlockPool::UnrefAll(std::span<const int32_t> blocks) {
+  absl::Status first;
+  for (int32_t b : blocks) first.Update(Unref(b));
+  return first;
 }
 
 std::vector<uint64_t> ComputeBlockHashes(std::span<const int32_t> tokens, int32_t block_size,

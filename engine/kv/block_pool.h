@@ -4,6 +4,15 @@
 // (lists of block ids); shared prefixes hold the same block in several tables, each holding a
 // reference. A block returns to the free list when its last reference drops.
 //
+// Invariants are checked in every build, not by asserts that release builds compile out: a
+// reference taken or dropped on a free block (a use after free, or a double free) or on an id
+// outside the pool changes nothing and returns a Status saying which; each one is counted
+// (violations(), exported by the workers as tandem_kv_invariant_violations_total) and the last
+// kept (last_violation()). Such a call is a caller's bug; the pool stays consistent instead of
+// handing one block to two sequences.
+// Callers on release paths, which have nothing better to do with the Status, drop it
+// (IgnoreError): the violation is already counted, and the worker logs it.
+//
 // Threading: not thread-safe; the engine's scheduler thread owns it.
 #pragma once
 
@@ -40,11 +49,18 @@ class BlockPool {
   absl::StatusOr<int32_t> Allocate();
   // n blocks, all or nothing.
   absl::StatusOr<std::vector<int32_t>> AllocateN(int32_t n);
-  void Ref(int32_t block);
+  // Ref and Unref: FAILED_PRECONDITION for a free block, OUT_OF_RANGE for an id outside the
+  // pool, each counted, and then nothing changes.
+  absl::Status Ref(int32_t block);
   // Drops one reference; the block is free again at zero.
-  void Unref(int32_t block);
-  void UnrefAll(std::span<const int32_t> blocks);
-  int32_t refcount(int32_t block) const { return refs_[block]; }
+  absl::Status Unref(int32_t block);
+  // Drops one reference of each; the first violation, if any (every one is counted).
+  absl::Status UnrefAll(std::span<const int32_t> blocks);
+  int32_t refcount(int32_t block) const {
+    return block >= 0 && block < num_blocks() ? refs_[block] : 0;
+  }
+  uint64_t violations() const { return violations_; }
+  const absl::Status& last_violation() const { return last_violation_; }
 
   // Optional: Allocate/AllocateN reclaim from `r` when the free list is empty. Not owned; the
   // reclaimer must outlive the registration (it unregisters itself with nullptr).
@@ -55,7 +71,11 @@ class BlockPool {
   }
 
  private:
+  absl::Status Violation(absl::Status st);
+
   BlockReclaimer* reclaimer_ = nullptr;
+  uint64_t violations_ = 0;
+  absl::Status last_violation_;
   std::vector<int32_t> refs_;
   std::vector<int32_t> free_;  // a stack: recently freed blocks are reused first (warm cache)
 };

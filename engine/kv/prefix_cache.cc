@@ -11,7 +11,7 @@ PrefixCache::PrefixCache(BlockPool* pool) : pool_(pool), entries_(pool->num_bloc
 PrefixCache::~PrefixCache() {
   pool_->SetReclaimer(nullptr);
   for (int32_t b = 0; b < static_cast<int32_t>(entries_.size()); ++b) {
-    if (entries_[b].cached) pool_->Unref(b);
+    if (entries_[b].cached) pool_->Unref(b).IgnoreError();
   }
 }
 
@@ -35,7 +35,7 @@ std::vector<int32_t> PrefixCache::Acquire(std::span<const uint64_t> hashes) {
       lru_.erase(e.lru_it);
       e.in_lru = false;
     }
-    pool_->Ref(b);
+    pool_->Ref(b).IgnoreError();
     out.push_back(b);
   }
   return out;
@@ -70,7 +70,7 @@ void PrefixCache::Insert(uint64_t hash, int32_t block) {
 void PrefixCache::Release(int32_t block) {
   Entry& e = entries_[block];
   assert(!e.in_lru);  // an LRU block has no reference besides the cache's to release
-  pool_->Unref(block);
+  pool_->Unref(block).IgnoreError();
   if (e.cached && pool_->refcount(block) == 1) {
     e.lru_it = lru_.insert(lru_.end(), block);
     e.in_lru = true;
@@ -84,7 +84,7 @@ void PrefixCache::Evict(int32_t block) {
   by_hash_.erase(e.hash);
   e = Entry{};
   ++stats_.evictions;
-  pool_->Unref(block);
+  pool_->Unref(block).IgnoreError();
 }
 
 bool PrefixCache::ReclaimOne() {

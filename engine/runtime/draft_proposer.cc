@@ -69,7 +69,7 @@ bool DraftModelProposer::Cover(State& st, int64_t positions) {
 void DraftModelProposer::Forget(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  engine_->kv().pool().UnrefAll(it->second.blocks);
+  engine_->kv().pool().UnrefAll(it->second.blocks).IgnoreError();
   seqs_.erase(it);
 }
 

@@ -131,7 +131,7 @@ void Scheduler::Release(Sequence& s, bool keep) {
   s.done = true;
   if (proposer_ != nullptr) proposer_->Forget(s.key);
   if (cache_ == nullptr) {
-    engine_->kv().pool().UnrefAll(s.blocks);
+    engine_->kv().pool().UnrefAll(s.blocks).IgnoreError();
     s.blocks.clear();
     return;
   }

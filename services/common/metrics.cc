@@ -109,7 +109,7 @@ ServingMetrics::ServingMetrics(prometheus::Histogram& ttft, prometheus::Histogra
                                prometheus::Gauge& running, prometheus::Gauge& waiting,
                                prometheus::Gauge& usage, prometheus::Counter& pc_queries,
                                prometheus::Counter& pc_hits, prometheus::Counter& integrity,
-                               prometheus::Counter& migrations,
+                               prometheus::Counter& invariants, prometheus::Counter& migrations,
                                prometheus::Family<prometheus::Counter>* success,
                                std::string model_name, std::string role)
     : time_to_first_token(ttft),
@@ -124,6 +124,7 @@ ServingMetrics::ServingMetrics(prometheus::Histogram& ttft, prometheus::Histogra
       prefix_cache_queries(pc_queries),
       prefix_cache_hits(pc_hits),
       kv_integrity_failures(integrity),
+      kv_invariant_violations(invariants),
       migrations(migrations),
       success_(success),
       model_name_(std::move(model_name)),
@@ -180,6 +181,9 @@ Metrics::Metrics()
                        "KV blocks the prefix cache served instead of recomputing them.", r);
   integrity_ = &Register(BuildCounter(), "kv_integrity_failures_total",
                          "KV blocks that failed their checksum.", r);
+  invariants_ = &Register(BuildCounter(), "kv_invariant_violations_total",
+                          "KV block reference counts taken or dropped on a free block or an id "
+                          "outside the pool (refused, and a bug).", r);
   transport_bytes_ = &Register(BuildCounter(), "kv_transport_bytes_total",
                                "KV bytes sent over the KV transport, by the lanes they used.", r);
   success_ = &Register(BuildCounter(), "request_success_total",
@@ -217,7 +221,7 @@ ServingMetrics& Metrics::Serving(const std::string& model_name, const std::strin
       xfer_seconds_->Add(base, KvTransferSecondsBuckets()),
       xfer_bytes_->Add(base, KvTransferBytesBuckets()), running_->Add(base), waiting_->Add(base),
       kv_usage_->Add(base), pc_queries_->Add(base), pc_hits_->Add(base), integrity_->Add(base),
-      migrations_->Add(base), success_, model_name, role));
+      invariants_->Add(base), migrations_->Add(base), success_, model_name, role));
   for (const char* reason : kFinishReasons) m->RequestSuccess(reason);
   return *m;
 }

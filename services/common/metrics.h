@@ -90,6 +90,8 @@ class ServingMetrics {
   prometheus::Counter& prefix_cache_queries;  // blocks looked up in the prefix cache
   prometheus::Counter& prefix_cache_hits;     // blocks it served
   prometheus::Counter& kv_integrity_failures;
+  // KV block reference-count invariants broken (engine/kv/block_pool.h): a caller's bug.
+  prometheus::Counter& kv_invariant_violations;
   prometheus::Counter& migrations;
 
   // request_success_total{finished_reason}: one of kFinishReasons, or any other reason (its
@@ -106,7 +108,8 @@ class ServingMetrics {
                  prometheus::Histogram& xfer_s, prometheus::Histogram& xfer_b,
                  prometheus::Gauge& running, prometheus::Gauge& waiting, prometheus::Gauge& usage,
                  prometheus::Counter& pc_queries, prometheus::Counter& pc_hits,
-                 prometheus::Counter& integrity, prometheus::Counter& migrations,
+                 prometheus::Counter& integrity, prometheus::Counter& invariants,
+                 prometheus::Counter& migrations,
                  prometheus::Family<prometheus::Counter>* success, std::string model_name,
                  std::string role);
 
@@ -199,6 +202,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* pc_queries_;
   prometheus::Family<prometheus::Counter>* pc_hits_;
   prometheus::Family<prometheus::Counter>* integrity_;
+  prometheus::Family<prometheus::Counter>* invariants_;
   prometheus::Family<prometheus::Counter>* transport_bytes_;
   prometheus::Family<prometheus::Counter>* success_;
   prometheus::Family<prometheus::Counter>* spec_draft_;

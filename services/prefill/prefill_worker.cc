@@ -404,6 +404,21 @@ void PrefillWorker::PublishStats() {
     const int32_t total = pool.num_blocks();
     m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_available()) / total : 0.0);
   }
+  // What the KV pools refused (engine/kv/block_pool.h): logged and counted, once each.
+  const engine::BlockPool* dp = draft_engine_ != nullptr ? &draft_engine_->kv().pool() : nullptr;
+  const uint64_t n = pool.violations() + (dp != nullptr ? dp->violations() : 0);
+  if (n != invariant_violations_seen_) {
+    invariant_violations_seen_ = n;
+    std::string last = pool.last_violation().ToString();
+    if (dp != nullptr && !dp->last_violation().ok()) {
+      absl::StrAppend(&last, "; draft pool: ", dp->last_violation().ToString());
+    }
+    std::fprintf(stderr, "prefill worker %s: KV invariant violations: %llu so far, the last: %s\n",
+                 o_.worker_id.c_str(), static_cast<unsigned long long>(n), last.c_str());
+    if (o_.metrics != nullptr) {
+      services::AdvanceCounterTo(o_.metrics->kv_invariant_violations, static_cast<double>(n));
+    }
+  }
 }
 
 void PrefillWorker::Loop() {
@@ -732,11 +747,11 @@ void PrefillWorker::QueuePublish(const Job& j) {
 
 void PrefillWorker::ReleaseBlocks(Job& j, bool cache_them) {
   if (!j.draft.local_blocks.empty()) {
-    draft_engine_->kv().pool().UnrefAll(j.draft.local_blocks);
+    draft_engine_->kv().pool().UnrefAll(j.draft.local_blocks).IgnoreError();
     j.draft.local_blocks.clear();
   }
   if (cache_ == nullptr) {
-    engine_->kv().pool().UnrefAll(j.local_blocks);
+    engine_->kv().pool().UnrefAll(j.local_blocks).IgnoreError();
   } else {
     // Tail first, so the cache's LRU evicts a chain's last blocks before its first ones.
     for (int64_t i = static_cast<int64_t>(j.local_blocks.size()) - 1; i >= 0; --i) {
@@ -754,7 +769,7 @@ void PrefillWorker::ReleaseQuarantine(bool all) {
   const absl::Time now = absl::Now();
   for (auto it = quarantine_.begin(); it != quarantine_.end();) {
     if (all || it->until <= now) {
-      engine_->kv().pool().UnrefAll(it->blocks);
+      engine_->kv().pool().UnrefAll(it->blocks).IgnoreError();
       it = quarantine_.erase(it);
     } else {
       ++it;

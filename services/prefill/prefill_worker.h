@@ -214,6 +214,7 @@ class PrefillWorker {
   std::vector<float> logits_;
   std::vector<float> draft_logits_;  // none are asked for; Step's output argument
   std::atomic<int32_t> draft_blocks_in_use_{0};
+  uint64_t invariant_violations_seen_ = 0;  // PublishStats (engine thread, or before it starts)
   services::StepReporter step_report_;
 
   mutable absl::Mutex mu_;

@@ -412,6 +412,41 @@ TEST_F(MetricsServicesTest, CancelledAndCorruptRequestsAreCounted) {
   EXPECT_EQ(SampleValue(t, Series("kv_transfer_bytes_count", "decode")), 0);
 }
 
+// A KV reference-count bug (here a block released twice, done on the engine thread as a bug
+// would do it) is refused by the pool, counted in kv_invariant_violations_total and logged, and
+// the worker goes on serving correctly.
+TEST_F(MetricsServicesTest, KvInvariantViolationsAreCountedAndServingGoesOn) {
+  Metrics dm;
+  auto dt = transfer::CreateInProcessTransport("decode");
+  auto decode = MakeDecode(&dm, "decode", dt.get(), nullptr);
+  ASSERT_NE(decode, nullptr);
+  Scraper ds(&dm);
+  EXPECT_EQ(SampleValue(ds.Get(), Series("kv_invariant_violations_total", "decode")), 0);
+  absl::Status refused;
+  ASSERT_TRUE(decode
+                  ->RunOnEngineThread([&](engine::Engine& e) {
+                    engine::BlockPool& pool = e.kv().pool();
+                    const int32_t b = *pool.Allocate();
+                    EXPECT_TRUE(pool.Unref(b).ok());
+                    refused = pool.Unref(b);  // the bug
+                  })
+                  .ok());
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  v1::DecodeRequest r;
+  r.set_request_id("after");
+  for (int32_t t : TestPrompt(10, 9)) r.add_prompt_token_ids(t);
+  *r.mutable_sampling() = services::SamplingToProto(Greedy(8));
+  r.set_prefill_locally(true);
+  auto stream = decode->StartDecode(r);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const Drained d = Drain(**stream);
+  EXPECT_TRUE(d.status.ok()) << d.status;
+  const std::string t = ds.Get();
+  EXPECT_EQ(SampleValue(t, Series("kv_invariant_violations_total", "decode")), 1) << t;
+  const v1::WorkerStats st = decode->Stats();
+  EXPECT_EQ(st.kv_blocks_free(), st.kv_blocks_total()) << "no block lost or doubled";
+}
+
 TEST_F(MetricsServicesTest, KvStoreSeriesFollowTheStore) {
   kvstore::TieredStoreConfig c;
   c.device_slot_bytes = 4096;

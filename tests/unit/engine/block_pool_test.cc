@@ -1,5 +1,6 @@
 #include "engine/kv/block_pool.h"
 
+#include <algorithm>
 #include <set>
 
 #include "gtest/gtest.h"
@@ -22,11 +23,11 @@ TEST(BlockPoolTest, AllocatesEveryBlockOnceThenReportsExhaustion) {
 TEST(BlockPoolTest, SharedBlockFreesOnLastUnref) {
   BlockPool pool(2);
   int32_t b = *pool.Allocate();
-  pool.Ref(b);
+  ASSERT_TRUE(pool.Ref(b).ok());
   EXPECT_EQ(pool.refcount(b), 2);
-  pool.Unref(b);
+  ASSERT_TRUE(pool.Unref(b).ok());
   EXPECT_EQ(pool.num_free(), 1);
-  pool.Unref(b);
+  ASSERT_TRUE(pool.Unref(b).ok());
   EXPECT_EQ(pool.num_free(), 2);
 }
 
@@ -36,8 +37,44 @@ TEST(BlockPoolTest, AllocateNIsAllOrNothing) {
   ASSERT_TRUE(three.ok());
   EXPECT_FALSE(pool.AllocateN(2).ok());
   EXPECT_EQ(pool.num_free(), 1);
-  pool.UnrefAll(*three);
+  ASSERT_TRUE(pool.UnrefAll(*three).ok());
   EXPECT_EQ(pool.num_free(), 4);
+}
+
+// Broken reference-count invariants are refused in every build (no assert to compile out): the
+// pool changes nothing, says which, and counts each.
+TEST(BlockPoolTest, DoubleFreeUseAfterFreeAndBadIdsAreRefusedAndCounted) {
+  BlockPool pool(4);
+  const int32_t a = *pool.Allocate();
+  const int32_t b = *pool.Allocate();
+  ASSERT_TRUE(pool.Ref(a).ok());
+  ASSERT_TRUE(pool.Unref(a).ok());
+  ASSERT_TRUE(pool.Unref(a).ok());  // a is free now
+  EXPECT_EQ(pool.num_free(), 3);
+  EXPECT_EQ(pool.violations(), 0u);
+
+  const absl::Status twice = pool.Unref(a);  // double free
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(twice.message().find("double free"), std::string::npos) << twice;
+  EXPECT_EQ(pool.num_free(), 3) << "the block is not on the free list twice";
+  EXPECT_EQ(pool.Ref(a).code(), absl::StatusCode::kFailedPrecondition);  // use after free
+  EXPECT_EQ(pool.refcount(a), 0);
+  EXPECT_EQ(pool.Unref(7).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool.Ref(-1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool.violations(), 4u);
+  EXPECT_EQ(pool.last_violation().code(), absl::StatusCode::kOutOfRange);
+
+  // Freed twice in one batch: the first violation comes back, both are counted, and the one
+  // good release still happens.
+  const int32_t blocks[] = {b, b, a};
+  EXPECT_EQ(pool.UnrefAll(blocks).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool.violations(), 6u);
+  EXPECT_EQ(pool.num_free(), 4);
+  // Every block is handed out once more, and only once.
+  std::vector<int32_t> all = *pool.AllocateN(4);
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(all, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_FALSE(pool.Allocate().ok());
 }
 
 TEST(BlockHashTest, ChainsOverPrefixAndSalt) {

@@ -83,7 +83,7 @@ TEST(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmptyTailFirst) {
   cache.Release(held[0]);
   EXPECT_EQ(*pool.Allocate(), chain[0]);
   EXPECT_EQ(cache.stats().cached_blocks, 0);
-  pool.UnrefAll(std::vector<int32_t>{x, y, z, chain[0]});
+  ASSERT_TRUE(pool.UnrefAll(std::vector<int32_t>{x, y, z, chain[0]}).ok());
   EXPECT_EQ(pool.num_free(), 4);
 }
 

@@ -49,6 +49,7 @@ TEST(MetricsTest, ServingCreatesEveryDesignFamilyWithBothLabels) {
       {"prefix_cache_queries_total", "counter"},
       {"prefix_cache_hits_total", "counter"},
       {"kv_integrity_failures_total", "counter"},
+      {"kv_invariant_violations_total", "counter"},
       {"request_success_total", "counter"},
       {"migrations_total", "counter"},
   };
@@ -62,7 +63,7 @@ TEST(MetricsTest, ServingCreatesEveryDesignFamilyWithBothLabels) {
   for (const char* name :
        {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
         "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_integrity_failures_total",
-        "migrations_total", "e2e_request_latency_seconds_count", "kv_transfer_bytes_sum"}) {
+        "kv_invariant_violations_total", "migrations_total", "e2e_request_latency_seconds_count", "kv_transfer_bytes_sum"}) {
     EXPECT_EQ(SampleValue(text, std::string("tandem_") + name + kBase), 0.0) << name << "\n"
                                                                              << text;
   }
