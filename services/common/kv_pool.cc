@@ -1,5 +1,6 @@
 #include "services/common/kv_pool.h"
 
+#include <cstdio>
 #include <span>
 #include <string>
 #include <utility>
@@ -53,6 +54,23 @@ absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine
     TANDEM_ASSIGN_OR_RETURN(out.region, transport->RegisterRegion(mem.data(), mem.size()));
   }
   return out;
+}
+
+void ReportKvInvariants(const std::string& worker, const engine::BlockPool& pool,
+                        const engine::BlockPool* draft_pool, uint64_t* seen,
+                        ServingMetrics* metrics) {
+  const uint64_t n = pool.violations() + (draft_pool != nullptr ? draft_pool->violations() : 0);
+  if (n == *seen) return;
+  *seen = n;
+  std::string last = pool.last_violation().ToString();
+  if (draft_pool != nullptr && !draft_pool->last_violation().ok()) {
+    absl::StrAppend(&last, "; draft pool: ", draft_pool->last_violation().ToString());
+  }
+  std::fprintf(stderr, "%s: KV invariant violations: %llu so far, the last: %s\n", worker.c_str(),
+               static_cast<unsigned long long>(n), last.c_str());
+  if (metrics != nullptr) {
+    AdvanceCounterTo(metrics->kv_invariant_violations, static_cast<double>(n));
+  }
 }
 
 }  // namespace tandem::services

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
+#include "services/common/metrics.h"
 
 namespace tandem::services {
 
@@ -43,5 +44,13 @@ absl::Status CheckWorkerKvPlacement(const engine::EngineOptions& options,
 absl::StatusOr<EngineInRegion> CreateEngineInRegion(std::shared_ptr<const engine::Model> model,
                                                     const engine::EngineOptions& options,
                                                     transfer::KvTransport* transport);
+
+// What a worker's KV pools refused since the last call (engine/kv/block_pool.h: a double free,
+// a use after free): logged once, naming the worker and the last violation of each pool, and
+// counted in `metrics` (may be null). `*seen` is the count already reported; `draft_pool` may
+// be null. Engine thread.
+void ReportKvInvariants(const std::string& worker, const engine::BlockPool& pool,
+                        const engine::BlockPool* draft_pool, uint64_t* seen,
+                        ServingMetrics* metrics);
 
 }  // namespace tandem::services

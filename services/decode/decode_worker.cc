@@ -327,24 +327,10 @@ void DecodeWorker::PublishStats() {
       services::AdvanceCounterTo(m.prefix_cache_hits, static_cast<double>(ps.hits));
     }
   }
-  ReportInvariants(pool, draft_ != nullptr ? &draft_->engine().kv().pool() : nullptr);
+  services::ReportKvInvariants(absl::StrCat("decode worker ", o_.worker_id), pool,
+                               draft_ != nullptr ? &draft_->engine().kv().pool() : nullptr,
+                               &invariant_violations_seen_, o_.metrics);
   if (o_.spec_metrics != nullptr) PublishSpecStats();
-}
-
-void DecodeWorker::ReportInvariants(const engine::BlockPool& pool,
-                                    const engine::BlockPool* draft_pool) {
-  const uint64_t n = pool.violations() + (draft_pool != nullptr ? draft_pool->violations() : 0);
-  if (n == invariant_violations_seen_) return;
-  invariant_violations_seen_ = n;
-  std::string last = pool.last_violation().ToString();
-  if (draft_pool != nullptr && !draft_pool->last_violation().ok()) {
-    absl::StrAppend(&last, "; draft pool: ", draft_pool->last_violation().ToString());
-  }
-  std::fprintf(stderr, "decode worker %s: KV invariant violations: %llu so far, the last: %s\n",
-               o_.worker_id.c_str(), static_cast<unsigned long long>(n), last.c_str());
-  if (o_.metrics != nullptr) {
-    services::AdvanceCounterTo(o_.metrics->kv_invariant_violations, static_cast<double>(n));
-  }
 }
 
 void DecodeWorker::PublishSpecStats() {

@@ -184,8 +184,6 @@ class DecodeWorker {
   absl::Time NextWake() const;
   void PublishStats();
   void PublishSpecStats();
-  // Logs and counts (kv_invariant_violations) what the KV pools refused since the last turn.
-  void ReportInvariants(const engine::BlockPool& pool, const engine::BlockPool* draft_pool);
   absl::StatusOr<v1::ReserveResponse> DoReserve(const v1::ReserveRequest& req);
   // RESOURCE_EXHAUSTED when `joining` would take the batch (running, queued and reserved
   // sequences) past its tightest TPOT target (engine::CheckDecodeTpot).
@@ -216,7 +214,7 @@ class DecodeWorker {
   int32_t kv_blocks_total_ = 0;
   // accepted_hist as last added to spec_metrics (engine thread only).
   std::vector<int64_t> spec_hist_published_;
-  uint64_t invariant_violations_seen_ = 0;  // engine thread only
+  uint64_t invariant_violations_seen_ = 0;  // services::ReportKvInvariants; engine thread
   std::string region_bytes_;  // serialised descriptor of the registered KV pool
   uint64_t region_id_ = 0;
   bool region_registered_ = false;

@@ -404,21 +404,9 @@ void PrefillWorker::PublishStats() {
     const int32_t total = pool.num_blocks();
     m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_available()) / total : 0.0);
   }
-  // What the KV pools refused (engine/kv/block_pool.h): logged and counted, once each.
-  const engine::BlockPool* dp = draft_engine_ != nullptr ? &draft_engine_->kv().pool() : nullptr;
-  const uint64_t n = pool.violations() + (dp != nullptr ? dp->violations() : 0);
-  if (n != invariant_violations_seen_) {
-    invariant_violations_seen_ = n;
-    std::string last = pool.last_violation().ToString();
-    if (dp != nullptr && !dp->last_violation().ok()) {
-      absl::StrAppend(&last, "; draft pool: ", dp->last_violation().ToString());
-    }
-    std::fprintf(stderr, "prefill worker %s: KV invariant violations: %llu so far, the last: %s\n",
-                 o_.worker_id.c_str(), static_cast<unsigned long long>(n), last.c_str());
-    if (o_.metrics != nullptr) {
-      services::AdvanceCounterTo(o_.metrics->kv_invariant_violations, static_cast<double>(n));
-    }
-  }
+  services::ReportKvInvariants(absl::StrCat("prefill worker ", o_.worker_id), pool,
+                               draft_engine_ != nullptr ? &draft_engine_->kv().pool() : nullptr,
+                               &invariant_violations_seen_, o_.metrics);
 }
 
 void PrefillWorker::Loop() {
