@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/util/status_util.h"
 #include "xxhash.h"
 
 namespace tandem::engine {
@@ -35,34 +36,30 @@ absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateN(int32_t n) {
   return out;
 }
 
-absl::Status BlockPool::Violation(absl::Status st) {
+absl::Status BlockPool::CheckHeld(int32_t block, const char* verb, const char* bug) {
+  absl::Status st;
+  if (block < 0 || block >= num_blocks()) {
+    st = absl::OutOfRangeError(
+        absl::StrCat("KV block ", block, " ", verb, ": the pool has ", num_blocks()));
+  } else if (refs_[block] <= 0) {
+    st = absl::FailedPreconditionError(
+        absl::StrCat("KV block ", block, " ", verb, " while free (a ", bug, ")"));
+  } else {
+    return absl::OkStatus();
+  }
   ++violations_;
   last_violation_ = st;
   return st;
 }
 
 absl::Status BlockPool::Ref(int32_t block) {
-  if (block < 0 || block >= num_blocks()) {
-    return Violation(absl::OutOfRangeError(
-        absl::StrCat("KV block ", block, " referenced: the pool has ", num_blocks())));
-  }
-  if (refs_[block] <= 0) {
-    return Violation(absl::FailedPreconditionError(
-        absl::StrCat("KV block ", block, " referenced while free (a use after free)")));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckHeld(block, "referenced", "use after free"));
   ++refs_[block];
   return absl::OkStatus();
 }
 
 absl::Status BlockPool::Unref(int32_t block) {
-  if (block < 0 || block >= num_blocks()) {
-    return Violation(absl::OutOfRangeError(
-        absl::StrCat("KV block ", block, " released: the pool has ", num_blocks())));
-  }
-  if (refs_[block] <= 0) {
-    return Violation(absl::FailedPreconditionError(
-        absl::StrCat("KV block ", block, " released while free (a double free)")));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckHeld(block, "released", "double free"));
   if (--refs_[block] == 0) free_.push_back(block);
   return absl::OkStatus();
 }

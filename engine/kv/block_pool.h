@@ -71,7 +71,8 @@ class BlockPool {
   }
 
  private:
-  absl::Status Violation(absl::Status st);
+  // OK for a held block in the pool; otherwise the violation, counted and kept.
+  absl::Status CheckHeld(int32_t block, const char* verb, const char* bug);
 
   BlockReclaimer* reclaimer_ = nullptr;
   uint64_t violations_ = 0;
