@@ -43,7 +43,85 @@ absl::StatusOr<std::vector<float>> LoadVector(const gguf::GgufFile& f, const std
   return out;
 }
 
+// The MoE keys llama.cpp reads for these architectures. Mixtral (llama) sizes its experts by
+// feed_forward_length; qwen2moe and qwen3moe by expert_feed_forward_length, else
+// feed_forward_length / expert_used_count; qwen2moe's shared expert by
+// expert_shared_feed_forward_length, else feed_forward_length.
+absl::Status ReadExperts(const gguf::GgufFile& f, const std::string& p, int64_t n_expert,
+                         ModelConfig& c) {
+  if (n_expert > 512) {
+    return absl::InvalidArgumentError(absl::StrCat(p, "expert_count out of range: ", n_expert));
+  }
+  c.n_expert = static_cast<int32_t>(n_expert);
+  TANDEM_ASSIGN_OR_RETURN(c.n_expert_used, GetDim(f, p + "expert_used_count"));
+  if (c.n_expert_used > c.n_expert) {
+    return absl::InvalidArgumentError(absl::StrCat(p, "expert_used_count ", c.n_expert_used,
+                                                   " exceeds expert_count ", c.n_expert));
+  }
+  const bool has_ff = f.Find(p + "feed_forward_length") != nullptr;
+  if (has_ff) {
+    TANDEM_ASSIGN_OR_RETURN(c.n_ff, GetDim(f, p + "feed_forward_length"));
+  }
+  if (c.arch == Arch::kLlama) {
+    if (!has_ff) return absl::InvalidArgumentError(absl::StrCat("missing key ", p, "feed_forward_length"));
+    c.n_ff_exp = c.n_ff;
+  } else if (f.Find(p + "expert_feed_forward_length") != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(c.n_ff_exp, GetDim(f, p + "expert_feed_forward_length"));
+  } else if (has_ff && c.n_ff % c.n_expert_used == 0) {
+    c.n_ff_exp = c.n_ff / c.n_expert_used;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(p, "expert_feed_forward_length is missing and feed_forward_length does "
+                        "not divide by expert_used_count"));
+  }
+  if (c.arch == Arch::kQwen2Moe) {
+    if (f.Find(p + "expert_shared_feed_forward_length") != nullptr) {
+      TANDEM_ASSIGN_OR_RETURN(c.n_ff_shexp, GetDim(f, p + "expert_shared_feed_forward_length"));
+    } else if (has_ff) {
+      c.n_ff_shexp = c.n_ff;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("missing key ", p, "expert_shared_feed_forward_length"));
+    }
+  }
+  // Mixtral and qwen3moe renormalise the chosen experts' weights; qwen2moe does not.
+  c.expert_weights_norm = c.arch != Arch::kQwen2Moe;
+  return absl::OkStatus();
+}
+
+// Views of the n stacked expert matrices of a 3-D tensor {cols, rows, n}.
+absl::StatusOr<std::vector<WeightView>> LoadExperts(const gguf::GgufFile& f,
+                                                    const std::string& name, int64_t cols,
+                                                    int64_t rows, int64_t n) {
+  const gguf::TensorInfo* t = f.FindTensor(name);
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name));
+  if (t->dims.size() != 3 || t->dims[0] != cols || t->dims[1] != rows || t->dims[2] != n) {
+    std::string dims;
+    for (int64_t d : t->dims) absl::StrAppend(&dims, dims.empty() ? "" : "x", d);
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has shape ", dims,
+                                                   ", expected ", cols, "x", rows, "x", n));
+  }
+  if (!IsWeightType(t->type)) {
+    return absl::UnimplementedError(absl::StrCat("tensor ", name, " has type ",
+                                                 std::string(kernels::Traits(t->type).name),
+                                                 ", which tandem cannot use as a weight"));
+  }
+  const uint64_t slab = kernels::RowBytes(t->type, cols) * static_cast<uint64_t>(rows);
+  std::vector<WeightView> out;
+  for (int64_t e = 0; e < n; ++e) {
+    out.push_back(WeightView{t->type, t->data + e * slab, rows, cols});
+  }
+  return out;
+}
+
 }  // namespace
+
+double ModelConfig::ffn_params_per_token() const {
+  const double d = n_embd;
+  if (!is_moe()) return 3 * d * n_ff;
+  return d * n_expert + 3 * d * n_ff_exp * n_expert_used +
+         (n_ff_shexp > 0 ? 3 * d * n_ff_shexp + d : 0);
+}
 
 bool IsWeightType(kernels::DType t) {
   switch (t) {
@@ -94,9 +172,21 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
     c.arch = Arch::kQwen2;
     c.rope_mode = kernels::RopeMode::kNeox;
     c.qkv_bias = true;
+  } else if (arch == "qwen3") {
+    c.arch = Arch::kQwen3;
+    c.rope_mode = kernels::RopeMode::kNeox;
+    c.qk_norm = true;
+  } else if (arch == "qwen2moe") {
+    c.arch = Arch::kQwen2Moe;
+    c.rope_mode = kernels::RopeMode::kNeox;
+  } else if (arch == "qwen3moe") {
+    c.arch = Arch::kQwen3Moe;
+    c.rope_mode = kernels::RopeMode::kNeox;
+    c.qk_norm = true;
   } else {
     return absl::UnimplementedError(
-        absl::StrCat("model architecture '", std::string(arch), "' is not supported (llama, qwen2)"));
+        absl::StrCat("model architecture '", std::string(arch),
+                     "' is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe)"));
   }
   TANDEM_ASSIGN_OR_RETURN(std::string_view name, f.GetStringOr("general.name", ""));
   c.name = std::string(name);
@@ -105,7 +195,19 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
   TANDEM_ASSIGN_OR_RETURN(c.n_layer, GetDim(f, p + "block_count"));
   TANDEM_ASSIGN_OR_RETURN(c.n_head, GetDim(f, p + "attention.head_count"));
   TANDEM_ASSIGN_OR_RETURN(c.n_head_kv, GetDim(f, p + "attention.head_count_kv", c.n_head));
-  TANDEM_ASSIGN_OR_RETURN(c.n_ff, GetDim(f, p + "feed_forward_length"));
+  TANDEM_ASSIGN_OR_RETURN(uint64_t n_expert, f.GetUIntOr(p + "expert_count", 0));
+  const bool moe_arch = c.arch == Arch::kQwen2Moe || c.arch == Arch::kQwen3Moe;
+  if (moe_arch && n_expert == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(p, "expert_count must be > 0 for ", c.arch_name));
+  }
+  if (n_expert > 0 && c.arch != Arch::kLlama && !moe_arch) {
+    return absl::UnimplementedError(
+        absl::StrCat("experts in a ", c.arch_name, " model are not supported"));
+  }
+  if (n_expert > 0) TANDEM_RETURN_IF_ERROR(ReadExperts(f, p, static_cast<int64_t>(n_expert), c));
+  if (!moe_arch) {
+    TANDEM_ASSIGN_OR_RETURN(c.n_ff, GetDim(f, p + "feed_forward_length"));
+  }
   TANDEM_ASSIGN_OR_RETURN(c.n_ctx_train, GetDim(f, p + "context_length", 2048));
   if (c.n_embd % c.n_head != 0) {
     return absl::InvalidArgumentError(absl::StrCat("embedding_length ", c.n_embd,
@@ -159,11 +261,16 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path,
 
 void Model::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 
-std::vector<WeightView*> Model::MatrixViews() {
+std::vector<WeightView*> Model::MatrixViews(bool with_router) {
   std::vector<WeightView*> views = {&output_};
   for (LayerWeights& l : layers_) {
-    for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
-      views.push_back(v);
+    for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down, &l.sh_gate,
+                          &l.sh_up, &l.sh_down}) {
+      if (v->data != nullptr) views.push_back(v);
+    }
+    if (with_router && l.ffn_gate_inp.data != nullptr) views.push_back(&l.ffn_gate_inp);
+    for (std::vector<WeightView>* experts : {&l.exp_gate, &l.exp_up, &l.exp_down}) {
+      for (WeightView& v : *experts) views.push_back(&v);
     }
   }
   return views;
@@ -243,7 +350,7 @@ absl::Status Model::ConvertMatrices(kernels::DType type) {
 }
 
 void Model::PackWeights() {
-  std::vector<WeightView*> views = MatrixViews();
+  std::vector<WeightView*> views = MatrixViews(/*with_router=*/true);
   constexpr size_t kHugePage = size_t{2} << 20;
   size_t total = 0;
   std::vector<size_t> sizes;
@@ -317,13 +424,36 @@ absl::Status Model::Bind() {
     TANDEM_ASSIGN_OR_RETURN(l.wk, LoadMatrix(f, b + "attn_k.weight", c.n_embd, kv_dim));
     TANDEM_ASSIGN_OR_RETURN(l.wv, LoadMatrix(f, b + "attn_v.weight", c.n_embd, kv_dim));
     TANDEM_ASSIGN_OR_RETURN(l.wo, LoadMatrix(f, b + "attn_output.weight", q_dim, c.n_embd));
-    TANDEM_ASSIGN_OR_RETURN(l.w_gate, LoadMatrix(f, b + "ffn_gate.weight", c.n_embd, c.n_ff));
-    TANDEM_ASSIGN_OR_RETURN(l.w_up, LoadMatrix(f, b + "ffn_up.weight", c.n_embd, c.n_ff));
-    TANDEM_ASSIGN_OR_RETURN(l.w_down, LoadMatrix(f, b + "ffn_down.weight", c.n_ff, c.n_embd));
-    if (c.qkv_bias) {
+    if (!c.is_moe()) {
+      TANDEM_ASSIGN_OR_RETURN(l.w_gate, LoadMatrix(f, b + "ffn_gate.weight", c.n_embd, c.n_ff));
+      TANDEM_ASSIGN_OR_RETURN(l.w_up, LoadMatrix(f, b + "ffn_up.weight", c.n_embd, c.n_ff));
+      TANDEM_ASSIGN_OR_RETURN(l.w_down, LoadMatrix(f, b + "ffn_down.weight", c.n_ff, c.n_embd));
+    } else {
+      const int64_t ne = c.n_expert, ff = c.n_ff_exp;
+      TANDEM_ASSIGN_OR_RETURN(l.ffn_gate_inp,
+                              LoadMatrix(f, b + "ffn_gate_inp.weight", c.n_embd, ne));
+      TANDEM_ASSIGN_OR_RETURN(l.exp_gate, LoadExperts(f, b + "ffn_gate_exps.weight", c.n_embd, ff, ne));
+      TANDEM_ASSIGN_OR_RETURN(l.exp_up, LoadExperts(f, b + "ffn_up_exps.weight", c.n_embd, ff, ne));
+      TANDEM_ASSIGN_OR_RETURN(l.exp_down, LoadExperts(f, b + "ffn_down_exps.weight", ff, c.n_embd, ne));
+      if (c.n_ff_shexp > 0) {
+        const int64_t sff = c.n_ff_shexp;
+        TANDEM_ASSIGN_OR_RETURN(l.sh_gate_inp,
+                                LoadVector(f, b + "ffn_gate_inp_shexp.weight", c.n_embd));
+        TANDEM_ASSIGN_OR_RETURN(l.sh_gate, LoadMatrix(f, b + "ffn_gate_shexp.weight", c.n_embd, sff));
+        TANDEM_ASSIGN_OR_RETURN(l.sh_up, LoadMatrix(f, b + "ffn_up_shexp.weight", c.n_embd, sff));
+        TANDEM_ASSIGN_OR_RETURN(l.sh_down, LoadMatrix(f, b + "ffn_down_shexp.weight", sff, c.n_embd));
+      }
+    }
+    // Biases: required for qwen2, loaded when present otherwise (as llama.cpp does).
+    const bool biases = c.qkv_bias || f.FindTensor(b + "attn_q.bias") != nullptr;
+    if (biases) {
       TANDEM_ASSIGN_OR_RETURN(l.bq, LoadVector(f, b + "attn_q.bias", q_dim));
       TANDEM_ASSIGN_OR_RETURN(l.bk, LoadVector(f, b + "attn_k.bias", kv_dim));
       TANDEM_ASSIGN_OR_RETURN(l.bv, LoadVector(f, b + "attn_v.bias", kv_dim));
+    }
+    if (c.qk_norm) {
+      TANDEM_ASSIGN_OR_RETURN(l.q_norm, LoadVector(f, b + "attn_q_norm.weight", c.head_dim));
+      TANDEM_ASSIGN_OR_RETURN(l.k_norm, LoadVector(f, b + "attn_k_norm.weight", c.head_dim));
     }
   }
   return absl::OkStatus();
@@ -336,7 +466,12 @@ uint64_t Model::weight_bytes_per_token() const {
   uint64_t total = bytes(output_);
   for (const LayerWeights& l : layers_) {
     total += bytes(l.wq) + bytes(l.wk) + bytes(l.wv) + bytes(l.wo) + bytes(l.w_gate) +
-             bytes(l.w_up) + bytes(l.w_down);
+             bytes(l.w_up) + bytes(l.w_down) + bytes(l.ffn_gate_inp) + bytes(l.sh_gate) +
+             bytes(l.sh_up) + bytes(l.sh_down);
+    if (!l.exp_gate.empty()) {
+      const uint64_t expert = bytes(l.exp_gate[0]) + bytes(l.exp_up[0]) + bytes(l.exp_down[0]);
+      total += expert * static_cast<uint64_t>(config_.n_expert_used);
+    }
   }
   return total;
 }

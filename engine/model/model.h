@@ -21,7 +21,7 @@
 
 namespace tandem::engine {
 
-enum class Arch { kLlama, kQwen2 };
+enum class Arch { kLlama, kQwen2, kQwen3, kQwen2Moe, kQwen3Moe };
 
 struct ModelConfig {
   Arch arch = Arch::kLlama;
@@ -40,7 +40,23 @@ struct ModelConfig {
   float rope_base = 10000.0f;
   float rope_freq_scale = 1.0f;
   kernels::RopeMode rope_mode = kernels::RopeMode::kNormal;
-  bool qkv_bias = false;
+  bool qkv_bias = false;  // q/k/v biases required (qwen2); other archs load them if present
+  bool qk_norm = false;   // per-head RMSNorm of q and k before rope (qwen3, qwen3moe)
+
+  // Mixture of experts (n_expert > 0): each token's FFN is the weighted sum of the
+  // n_expert_used experts its router scores highest (softmax over all experts' logits; the
+  // chosen weights renormalised to sum 1 when expert_weights_norm), plus, with a shared
+  // expert, one dense FFN scaled by sigmoid(ffn_gate_inp_shexp . x).
+  int32_t n_expert = 0;
+  int32_t n_expert_used = 0;
+  int32_t n_ff_exp = 0;    // rows of each expert's gate/up matrices
+  int32_t n_ff_shexp = 0;  // the shared expert's, 0 without one
+  bool expert_weights_norm = false;
+
+  bool is_moe() const { return n_expert > 0; }
+  // Weight elements of one layer's FFN that one token multiplies by (its router, its chosen
+  // experts and the shared expert, or the dense FFN).
+  double ffn_params_per_token() const;
 
   static absl::StatusOr<ModelConfig> FromGguf(const gguf::GgufFile& f);
 };
@@ -74,7 +90,15 @@ struct ModelLoadOptions {
 struct LayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // n_embd
   std::vector<float> bq, bk, bv;           // empty without qkv bias
-  WeightView wq, wk, wv, wo, w_gate, w_up, w_down;
+  std::vector<float> q_norm, k_norm;       // head_dim; empty without qk_norm
+  WeightView wq, wk, wv, wo;
+  WeightView w_gate, w_up, w_down;  // dense FFN; unset in MoE layers
+  // MoE: the router (n_expert rows), and each expert's matrices as views into the stacked
+  // 3-D tensors (expert e is the e-th slab of rows).
+  WeightView ffn_gate_inp;
+  std::vector<WeightView> exp_gate, exp_up, exp_down;
+  WeightView sh_gate, sh_up, sh_down;  // shared expert; unset without one
+  std::vector<float> sh_gate_inp;      // n_embd: the shared expert's scalar gate
 };
 
 class Model {
@@ -91,14 +115,16 @@ class Model {
   const std::vector<float>& output_norm() const { return output_norm_; }
   const std::vector<float>& rope_freqs() const { return rope_freqs_; }  // empty if none
   const LayerWeights& layer(int32_t i) const { return layers_[i]; }
-  // Bytes of weights one decode step reads (all matrices, embedding row excluded).
+  // Bytes of weights one token's decode step reads: all matrices but the embedding table,
+  // and of each MoE layer's experts only the n_expert_used a token is routed to.
   uint64_t weight_bytes_per_token() const;
 
  private:
   Model() = default;
   absl::Status Bind();
-  // The matrices PackWeights and ConvertMatrices rewrite: output, then each layer's seven.
-  std::vector<WeightView*> MatrixViews();
+  // The matrices PackWeights and ConvertMatrices rewrite: output, then each layer's (its
+  // experts one by one). The MoE router keeps its type (as llama.cpp's quantizer does).
+  std::vector<WeightView*> MatrixViews(bool with_router = false);
   absl::Status ConvertMatrices(kernels::DType type);
   void PackWeights();
 

@@ -12,6 +12,7 @@
 #include "common/trace/trace.h"
 #include "common/util/status_util.h"
 #include "engine/runtime/device_forward.h"
+#include "engine/runtime/weight_matmul.h"
 #include "tandem/kernels/activation.h"
 #include "tandem/kernels/attention.h"
 #include "tandem/kernels/matmul.h"
@@ -27,40 +28,6 @@ namespace {
 
 void Grow(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
-}
-
-void MatmulRows(const WeightView& w, const float* in, int64_t batch, float* out,
-                util::ThreadPool* pool) {
-  kernels::MatmulParams p;
-  p.weight_type = w.type;
-  p.weight = w.data;
-  p.rows = w.rows;
-  p.cols = w.cols;
-  p.input = in;
-  p.input_stride = w.cols;
-  p.batch = batch;
-  p.output = out;
-  p.output_stride = w.rows;
-  p.packed = w.packed;
-  kernels::Matmul(p, pool);
-}
-
-// Projections of the same input (Q/K/V, gate/up): one pool hand-off for all when their weight
-// types agree (they do in most GGUF files; mixed-type ones go one by one).
-void MatmulSameInput(std::initializer_list<std::pair<const WeightView*, float*>> outs,
-                     const float* in, int64_t batch, util::ThreadPool* pool) {
-  const WeightView& first = *outs.begin()->first;
-  bool same = true;
-  for (const auto& [w, out] : outs) {
-    same = same && w->type == first.type && w->cols == first.cols && w->packed == first.packed;
-  }
-  if (!same) {
-    for (const auto& [w, out] : outs) MatmulRows(*w, in, batch, out, pool);
-    return;
-  }
-  std::vector<kernels::MatmulTarget> targets;
-  for (const auto& [w, out] : outs) targets.push_back({w->data, w->rows, out, w->rows});
-  kernels::MatmulMulti(first.type, first.cols, in, first.cols, batch, targets, pool, first.packed);
 }
 
 void AddBias(float* rows, const std::vector<float>& bias, int64_t n_rows) {
@@ -162,7 +129,8 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
       kv_(std::move(kv)),
       pool_(o.threads),
       kv_bytes_per_position_(2 * int64_t{kv_->options().num_layers} *
-                             static_cast<int64_t>(kv_->slot_bytes())) {}
+                             static_cast<int64_t>(kv_->slot_bytes())),
+      expert_tokens_(size_t(model_->config().n_layer) * model_->config().n_expert, 0) {}
 
 Engine::~Engine() = default;
 
@@ -280,11 +248,26 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
         kernels::RmsNorm(x_.data() + r * d, w.attn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
       }
     }, row_grain);
-    MatmulSameInput({{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}}, xn_.data(), T,
-                    pool);
+    const Projection qkv[] = {{&w.wq, q_.data()}, {&w.wk, k_.data()}, {&w.wv, v_.data()}};
+    MatmulSameInput(qkv, xn_.data(), T, pool);
     AddBias(q_.data(), w.bq, T);
     AddBias(k_.data(), w.bk, T);
     AddBias(v_.data(), w.bv, T);
+    if (c.qk_norm) {
+      // Per-head RMSNorm of q and k, before rope (qwen3).
+      pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
+        for (int64_t r = b; r < e; ++r) {
+          for (int32_t h = 0; h < c.n_head; ++h) {
+            float* q = q_.data() + r * q_dim + int64_t{h} * c.head_dim;
+            kernels::RmsNorm(q, w.q_norm.data(), q, c.head_dim, c.norm_eps);
+          }
+          for (int32_t h = 0; h < c.n_head_kv; ++h) {
+            float* k = k_.data() + r * kv_dim + int64_t{h} * c.head_dim;
+            kernels::RmsNorm(k, w.k_norm.data(), k, c.head_dim, c.norm_eps);
+          }
+        }
+      }, row_grain);
+    }
     pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
         kernels::Rope(rope, q_.data() + r * q_dim, c.n_head, pos_[r]);
@@ -327,9 +310,16 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
         kernels::RmsNorm(x_.data() + r * d, w.ffn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
       }
     }, row_grain);
-    MatmulSameInput({{&w.w_gate, gate_.data()}, {&w.w_up, up_.data()}}, xn_.data(), T, pool);
-    kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), T * c.n_ff);
-    MatmulRows(w.w_down, gate_.data(), T, tmp_.data(), pool);
+    if (c.is_moe()) {
+      moe_.Forward(c, w, xn_.data(), T, tmp_.data(), pool);
+      const std::vector<int64_t>& routed = moe_.last_expert_tokens();
+      for (int32_t e = 0; e < c.n_expert; ++e) expert_tokens_[size_t(l) * c.n_expert + e] += routed[e];
+    } else {
+      const Projection gate_up[] = {{&w.w_gate, gate_.data()}, {&w.w_up, up_.data()}};
+      MatmulSameInput(gate_up, xn_.data(), T, pool);
+      kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), T * c.n_ff);
+      MatmulRows(w.w_down, gate_.data(), T, tmp_.data(), pool);
+    }
     kernels::AddInPlace(x_.data(), tmp_.data(), T * d);
   }
 

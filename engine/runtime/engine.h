@@ -30,6 +30,7 @@
 #include "common/util/thread_pool.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model.h"
+#include "engine/runtime/moe.h"
 #include "engine/runtime/step_cost.h"
 #include "tandem/kernels/attention.h"
 
@@ -111,6 +112,9 @@ class Engine {
   const EngineOptions& options() const { return o_; }
   int32_t ctx_size() const { return o_.ctx_size; }
   util::ThreadPool& pool() { return pool_; }
+  // MoE models: tokens routed to each (layer, expert) since Create, [layer * n_expert + expert]
+  // (empty for a dense model). Read between steps, on the stepping thread.
+  const std::vector<int64_t>& expert_tokens() const { return expert_tokens_; }
 
  private:
   Engine(std::shared_ptr<const Model> model, const EngineOptions& o,
@@ -134,6 +138,8 @@ class Engine {
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, tmp_;
   std::vector<kernels::PagedAttentionParams> attn_params_;  // per layer, one per chunk
   std::vector<int32_t> pos_;
+  MoeFfn moe_;
+  std::vector<int64_t> expert_tokens_;
 };
 
 }  // namespace tandem::engine

@@ -178,9 +178,10 @@ double StepCostModel::relative_rmse() const {
 StepWork WorkOf(const Model& model, int64_t kv_bytes_per_position,
                 std::span<const SeqChunk> chunks) {
   const ModelConfig& c = model.config();
-  // Weight elements that multiply each token: every layer's seven matrices and the classifier.
+  // Weight elements that multiply each token: every layer's attention and FFN (of an MoE
+  // layer, the router and the experts the token is routed to) and the classifier.
   const double d = c.n_embd, q = double(c.n_head) * c.head_dim, kv = double(c.n_head_kv) * c.head_dim;
-  const double per_layer = d * (q + 2 * kv) + q * d + 3 * d * c.n_ff;
+  const double per_layer = d * (q + 2 * kv) + q * d + c.ffn_params_per_token();
   const double params = c.n_layer * per_layer + d * c.n_vocab;
   StepWork w;
   w.bytes = static_cast<double>(model.weight_bytes_per_token());

@@ -44,6 +44,20 @@ absl::Status AddMatrix(gguf::GgufWriter& w, Rng& rng, const std::string& name, i
   return w.AddTensor(name, {cols, rows}, type, bytes);
 }
 
+// n stacked random matrices of cols x rows: a 3-D expert tensor {cols, rows, n}.
+absl::Status AddExperts(gguf::GgufWriter& w, Rng& rng, const std::string& name, int64_t cols,
+                        int64_t rows, int64_t n, kernels::DType type, double stddev) {
+  std::vector<float> row(cols);
+  const size_t rb = kernels::RowBytes(type, cols);
+  std::vector<uint8_t> bytes(rb * rows * n);
+  for (int64_t r = 0; r < rows * n; ++r) {
+    for (auto& x : row) x = static_cast<float>(rng.Normal() * stddev);
+    absl::Status st = kernels::QuantizeRow(type, row.data(), bytes.data() + r * rb, cols);
+    if (!st.ok()) return st;
+  }
+  return w.AddTensor(name, {cols, rows, n}, type, bytes);
+}
+
 absl::Status AddVector(gguf::GgufWriter& w, Rng& rng, const std::string& name, int64_t n,
                        double mean, double stddev) {
   std::vector<float> v(n);
@@ -56,13 +70,22 @@ absl::Status AddVector(gguf::GgufWriter& w, Rng& rng, const std::string& name, i
 
 absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) {
   gguf::GgufWriter w;
-  const std::string a = o.arch;
+  const std::string a = o.arch == "mixtral" ? "llama" : o.arch;
+  const bool moe = o.arch == "mixtral" || o.arch == "qwen2moe" || o.arch == "qwen3moe";
+  const bool qk_norm = o.arch == "qwen3" || o.arch == "qwen3moe";
+  const bool biases = o.arch == "qwen2" || o.arch == "qwen2moe";
   w.SetString("general.architecture", a);
   w.SetString("general.name", "tiny random test model");
   w.SetU32(a + ".context_length", o.n_ctx);
   w.SetU32(a + ".embedding_length", o.n_embd);
   w.SetU32(a + ".block_count", o.n_layer);
   w.SetU32(a + ".feed_forward_length", o.n_ff);
+  if (moe) {
+    w.SetU32(a + ".expert_count", o.n_expert);
+    w.SetU32(a + ".expert_used_count", o.n_expert_used);
+    if (a != "llama") w.SetU32(a + ".expert_feed_forward_length", o.n_ff);
+    if (a == "qwen2moe") w.SetU32(a + ".expert_shared_feed_forward_length", 2 * o.n_ff);
+  }
   w.SetU32(a + ".attention.head_count", o.n_head);
   w.SetU32(a + ".attention.head_count_kv", o.n_head_kv);
   w.SetU32(a + ".rope.dimension_count", o.n_embd / o.n_head);
@@ -111,13 +134,37 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_k.weight", d, kvd, o.type, s_in * 2);
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_v.weight", d, kvd, o.type, s_in);
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_output.weight", qd, d, o.type, s_in);
-    if (st.ok()) st = AddMatrix(w, rng, b + "ffn_gate.weight", d, o.n_ff, o.type, s_in);
-    if (st.ok()) st = AddMatrix(w, rng, b + "ffn_up.weight", d, o.n_ff, o.type, s_in);
-    if (st.ok()) {
-      st = AddMatrix(w, rng, b + "ffn_down.weight", o.n_ff, d, o.type,
-                     1.0 / std::sqrt(static_cast<double>(o.n_ff)));
+    const double s_ff = 1.0 / std::sqrt(static_cast<double>(o.n_ff));
+    if (!moe) {
+      if (st.ok()) st = AddMatrix(w, rng, b + "ffn_gate.weight", d, o.n_ff, o.type, s_in);
+      if (st.ok()) st = AddMatrix(w, rng, b + "ffn_up.weight", d, o.n_ff, o.type, s_in);
+      if (st.ok()) st = AddMatrix(w, rng, b + "ffn_down.weight", o.n_ff, d, o.type, s_ff);
+    } else {
+      // The router in F32 (as converters write it); logits of a few units, so routing is
+      // decisive but not one-hot.
+      const int64_t ne = o.n_expert;
+      if (st.ok()) {
+        st = AddMatrix(w, rng, b + "ffn_gate_inp.weight", d, ne, kernels::DType::kF32, s_in * 2);
+      }
+      if (st.ok()) st = AddExperts(w, rng, b + "ffn_gate_exps.weight", d, o.n_ff, ne, o.type, s_in);
+      if (st.ok()) st = AddExperts(w, rng, b + "ffn_up_exps.weight", d, o.n_ff, ne, o.type, s_in);
+      if (st.ok()) st = AddExperts(w, rng, b + "ffn_down_exps.weight", o.n_ff, d, ne, o.type, s_ff);
+      if (st.ok() && a == "qwen2moe") {
+        const int64_t sff = 2 * o.n_ff;
+        st = AddVector(w, rng, b + "ffn_gate_inp_shexp.weight", d, 0.0, s_in * 2);
+        if (st.ok()) st = AddMatrix(w, rng, b + "ffn_gate_shexp.weight", d, sff, o.type, s_in);
+        if (st.ok()) st = AddMatrix(w, rng, b + "ffn_up_shexp.weight", d, sff, o.type, s_in);
+        if (st.ok()) {
+          st = AddMatrix(w, rng, b + "ffn_down_shexp.weight", sff, d, o.type,
+                         1.0 / std::sqrt(static_cast<double>(sff)));
+        }
+      }
     }
-    if (st.ok() && a == "qwen2") {
+    if (st.ok() && qk_norm) {
+      st = AddVector(w, rng, b + "attn_q_norm.weight", hd, 1.0, 0.1);
+      if (st.ok()) st = AddVector(w, rng, b + "attn_k_norm.weight", hd, 1.0, 0.1);
+    }
+    if (st.ok() && biases) {
       st = AddVector(w, rng, b + "attn_q.bias", qd, 0.0, 0.1);
       if (st.ok()) st = AddVector(w, rng, b + "attn_k.bias", kvd, 0.0, 0.1);
       if (st.ok()) st = AddVector(w, rng, b + "attn_v.bias", kvd, 0.0, 0.1);

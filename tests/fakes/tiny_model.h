@@ -1,5 +1,5 @@
-// Writes a tiny random llama or qwen2 GGUF with a SentencePiece byte-fallback vocabulary, so
-// engine tests run without any downloaded model. Weights are deterministic for a seed.
+// Writes a tiny random GGUF with a SentencePiece byte-fallback vocabulary, so engine tests run
+// without any downloaded model. Weights are deterministic for a seed.
 #pragma once
 
 #include <cstdint>
@@ -12,12 +12,18 @@
 namespace tandem::testing {
 
 struct TinyModelOptions {
-  std::string arch = "llama";  // or "qwen2" (biases, neox rope)
+  // llama, qwen2 (biases, neox rope), qwen3 (q/k norms), qwen2moe (experts, a shared expert,
+  // biases), qwen3moe (experts, q/k norms), or mixtral (written as llama with experts).
+  std::string arch = "llama";
   int32_t n_embd = 64;
   int32_t n_layer = 2;
   int32_t n_head = 4;
   int32_t n_head_kv = 2;
   int32_t n_ff = 128;
+  // Experts of the MoE archs (their n_ff is the expert width; qwen2moe's shared expert is
+  // 2 * n_ff wide).
+  int32_t n_expert = 8;
+  int32_t n_expert_used = 3;
   int32_t n_ctx = 256;
   kernels::DType type = kernels::DType::kF32;  // type of the 2-D weight matrices
   bool tied_output = false;

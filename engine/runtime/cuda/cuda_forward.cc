@@ -644,6 +644,12 @@ absl::Status CudaDeviceAvailable() {
 absl::StatusOr<std::unique_ptr<DeviceForward>> CreateCudaForward(std::shared_ptr<const Model> model,
                                                                  const EngineOptions& o,
                                                                  uint64_t kv_bytes) {
+  const ModelConfig& c = model->config();
+  if (c.is_moe() || c.qk_norm) {
+    return absl::UnimplementedError(absl::StrCat(
+        "device cuda: the CUDA engine does not run ", c.arch_name,
+        " models yet (", c.is_moe() ? "experts" : "per-head q/k norms", "); use device cpu"));
+  }
   TANDEM_RETURN_IF_ERROR(CudaDeviceAvailable());
   TANDEM_ASSIGN_OR_RETURN(const cu::DeviceInfo dev, cu::CurrentDevice());
   if (dev.sm_major < 8) {

@@ -96,7 +96,33 @@ TEST_P(EngineArchTest, MatchesDoublePrecisionReference) {
   EXPECT_LT(max_err, 1e-3 * spread) << "max error " << max_err << " of spread " << spread;
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, EngineArchTest, ::testing::Values("llama", "qwen2"));
+// Decode (one token per step: the MoE path where every chosen expert shares the input) and
+// small chunks (tokens grouped by expert) give the reference's logits too.
+TEST_P(EngineArchTest, TokenByTokenAndChunkedMatchTheReference) {
+  TinyModelOptions o;
+  o.arch = GetParam();
+  o.seed = 5;
+  auto model = LoadTiny(o, GetParam() + "-chunks");
+  const auto tokens = RandomTokens(21, model->config().n_vocab, 11);
+  std::vector<double> want = testing::ReferenceForward(*model, tokens);
+  double spread = 0;
+  for (double v : want) spread = std::max(spread, std::fabs(v));
+  ASSERT_GT(spread, 0.1);
+  for (int chunk : {1, 5}) {
+    SCOPED_TRACE(chunk);
+    auto e = MakeEngine(model);
+    auto blocks = *e->kv().pool().AllocateN(2);
+    std::vector<float> got = RunChunked(*e, tokens, chunk, blocks);
+    ASSERT_EQ(got.size(), want.size());
+    double max_err = 0;
+    for (size_t i = 0; i < got.size(); ++i) max_err = std::max(max_err, std::fabs(got[i] - want[i]));
+    EXPECT_LT(max_err, 1e-3 * spread);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, EngineArchTest,
+                         ::testing::Values("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
+                                           "mixtral"));
 
 // Device::kCuda fails at Create, with a message saying why, wherever it cannot run: a build
 // without CUDA, or no visible device (with one, cuda_engine_test covers the device path).

@@ -1,5 +1,6 @@
 #include "tests/unit/engine/reference_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tandem/kernels/matmul.h"
@@ -66,6 +67,55 @@ void Rope(const engine::ModelConfig& c, const std::vector<float>& factors, Vec& 
   }
 }
 
+// Each head_dim slice normalised on its own (qwen3's q/k norms).
+void HeadNorm(Vec& x, const std::vector<float>& w, int n_heads, double eps) {
+  const size_t hd = w.size();
+  for (int h = 0; h < n_heads; ++h) {
+    Vec head(x.begin() + h * hd, x.begin() + (h + 1) * hd);
+    head = RmsNorm(head, w, eps);
+    std::copy(head.begin(), head.end(), x.begin() + h * hd);
+  }
+}
+
+Vec Ffn(const engine::WeightView& gate, const engine::WeightView& up,
+        const engine::WeightView& down, const Vec& xn) {
+  Vec g = MatVec(gate, xn), u = MatVec(up, xn);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+  return MatVec(down, g);
+}
+
+// Softmax over the router's logits, the n_expert_used most probable experts weighted by their
+// probabilities (renormalised when the arch does), plus the sigmoid-gated shared expert.
+Vec MoeFfn(const engine::ModelConfig& c, const engine::LayerWeights& w, const Vec& xn) {
+  Vec logits = MatVec(w.ffn_gate_inp, xn);
+  const double mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (double& l : logits) sum += (l = std::exp(l - mx));
+  for (double& l : logits) l /= sum;
+  std::vector<int> order(c.n_expert);
+  for (int e = 0; e < c.n_expert; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  double chosen = 0;
+  for (int s = 0; s < c.n_expert_used; ++s) chosen += logits[order[s]];
+  Vec out(c.n_embd, 0.0);
+  for (int s = 0; s < c.n_expert_used; ++s) {
+    const int e = order[s];
+    // Mixtral and qwen3moe renormalise the chosen weights; qwen2moe does not (decided here
+    // from the architecture, not from the loader's flag under test).
+    const double wt = c.arch_name != "qwen2moe" ? logits[e] / chosen : logits[e];
+    Vec y = Ffn(w.exp_gate[e], w.exp_up[e], w.exp_down[e], xn);
+    for (int i = 0; i < c.n_embd; ++i) out[i] += wt * y[i];
+  }
+  if (c.n_ff_shexp > 0) {
+    double g = 0;
+    for (int i = 0; i < c.n_embd; ++i) g += w.sh_gate_inp[i] * xn[i];
+    const double gate = 1 / (1 + std::exp(-g));
+    Vec y = Ffn(w.sh_gate, w.sh_up, w.sh_down, xn);
+    for (int i = 0; i < c.n_embd; ++i) out[i] += gate * y[i];
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<double> ReferenceForward(const engine::Model& m, const std::vector<int32_t>& tokens) {
@@ -85,6 +135,10 @@ std::vector<double> ReferenceForward(const engine::Model& m, const std::vector<i
       for (size_t i = 0; i < w.bq.size(); ++i) q[t][i] += w.bq[i];
       for (size_t i = 0; i < w.bk.size(); ++i) k[t][i] += w.bk[i];
       for (size_t i = 0; i < w.bv.size(); ++i) v[t][i] += w.bv[i];
+      if (c.qk_norm) {
+        HeadNorm(q[t], w.q_norm, c.n_head, c.norm_eps);
+        HeadNorm(k[t], w.k_norm, c.n_head_kv, c.norm_eps);
+      }
       Rope(c, m.rope_freqs(), q[t], c.n_head, t);
       Rope(c, m.rope_freqs(), k[t], c.n_head_kv, t);
     }
@@ -110,9 +164,7 @@ std::vector<double> ReferenceForward(const engine::Model& m, const std::vector<i
       Vec o = MatVec(w.wo, attn);
       for (int i = 0; i < c.n_embd; ++i) x[t][i] += o[i];
       Vec xn = RmsNorm(x[t], w.ffn_norm, c.norm_eps);
-      Vec g = MatVec(w.w_gate, xn), u = MatVec(w.w_up, xn);
-      for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
-      Vec dn = MatVec(w.w_down, g);
+      Vec dn = c.is_moe() ? MoeFfn(c, w, xn) : Ffn(w.w_gate, w.w_up, w.w_down, xn);
       for (int i = 0; i < c.n_embd; ++i) x[t][i] += dn[i];
     }
   }

@@ -1,6 +1,6 @@
-// A plain double-precision llama/qwen2 forward pass over a whole sequence, written straight
-// from the architecture's definition with no paging, batching or SIMD: the ground truth that
-// Engine::Step is compared against.
+// A plain double-precision forward pass (llama, qwen2, qwen3 and their MoE variants) over a
+// whole sequence, written straight from the architectures' definitions with no paging, batching
+// or SIMD: the ground truth that Engine::Step is compared against.
 #pragma once
 
 #include <cstdint>

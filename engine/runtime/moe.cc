@@ -1,0 +1,146 @@
+#include "engine/runtime/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "engine/runtime/weight_matmul.h"
+#include "tandem/kernels/activation.h"
+
+namespace tandem::engine {
+namespace {
+
+void Grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+// The smallest normal f16: llama.cpp clamps the sum of the chosen weights to it before dividing.
+constexpr float kMinWeightSum = 6.103515625e-5f;
+
+}  // namespace
+
+void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k, bool normalize,
+                 Routing* out) {
+  out->k = k;
+  out->expert.resize(size_t(T) * k);
+  out->weight.resize(size_t(T) * k);
+  std::vector<float> probs(n_expert);
+  std::vector<int32_t> order(n_expert);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * n_expert;
+    // Softmax as ggml computes it: shift by the max, sum the exponentials in double.
+    const float mx = *std::max_element(l, l + n_expert);
+    double sum = 0;
+    for (int32_t e = 0; e < n_expert; ++e) sum += (probs[e] = std::exp(l[e] - mx));
+    const float inv = static_cast<float>(1.0 / sum);
+    for (float& p : probs) p *= inv;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    float chosen = 0;
+    for (int32_t s = 0; s < k; ++s) chosen += probs[order[s]];
+    const float scale = normalize ? 1.0f / std::max(chosen, kMinWeightSum) : 1.0f;
+    for (int32_t s = 0; s < k; ++s) {
+      out->expert[t * k + s] = order[s];
+      out->weight[t * k + s] = normalize ? probs[order[s]] * scale : probs[order[s]];
+    }
+  }
+}
+
+void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* xn, int64_t T,
+                     float* out, util::ThreadPool* pool) {
+  const int64_t d = c.n_embd, ff = c.n_ff_exp;
+  const int32_t ne = c.n_expert, k = c.n_expert_used;
+  Grow(logits_, size_t(T) * ne);
+  MatmulRows(w.ffn_gate_inp, xn, T, logits_.data(), pool);
+  RouteTokens(logits_.data(), T, ne, k, c.expert_weights_norm, &routing_);
+
+  // Group the (token, slot) pairs by expert, in token order within each group.
+  counts_.assign(ne, 0);
+  for (int32_t e : routing_.expert) ++counts_[e];
+  offsets_.assign(ne + 1, 0);
+  for (int32_t e = 0; e < ne; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
+  rows_.resize(size_t(T) * k);
+  {
+    std::vector<int64_t> fill(offsets_.begin(), offsets_.end() - 1);
+    for (int64_t i = 0; i < T * k; ++i) rows_[fill[routing_.expert[i]]++] = i;
+  }
+  const int64_t most = *std::max_element(counts_.begin(), counts_.end());
+  Grow(slot_out_, size_t(T) * k * d);
+  Grow(in_, size_t(std::max(most, T)) * std::max(d, ff));
+  Grow(gate_, size_t(std::max(most, T)) * ff);
+  Grow(up_, size_t(std::max(most, T)) * ff);
+
+  if (T == 1) {
+    // One token: every chosen expert sees the same input, so their gate and up projections go
+    // to the pool in one hand-off, and their down projections one expert per task.
+    Grow(gate_, size_t(k) * ff);
+    Grow(up_, size_t(k) * ff);
+    std::vector<Projection> gate_up;
+    for (int32_t s = 0; s < k; ++s) {
+      const int32_t e = routing_.expert[s];
+      gate_up.push_back({&w.exp_gate[e], gate_.data() + s * ff});
+      gate_up.push_back({&w.exp_up[e], up_.data() + s * ff});
+    }
+    MatmulSameInput(gate_up, xn, 1, pool);
+    kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), k * ff);
+    pool->ParallelFor(k, [&](int64_t b, int64_t end, int) {
+      for (int64_t s = b; s < end; ++s) {
+        MatmulRows(w.exp_down[routing_.expert[s]], gate_.data() + s * ff, 1,
+                   slot_out_.data() + s * d, nullptr);
+      }
+    });
+  } else {
+    for (int32_t e = 0; e < ne; ++e) {
+      const int64_t n = counts_[e];
+      if (n == 0) continue;
+      const int64_t* group = rows_.data() + offsets_[e];
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(in_.data() + i * d, xn + (group[i] / k) * d, d * sizeof(float));
+      }
+      const Projection gate_up[] = {{&w.exp_gate[e], gate_.data()}, {&w.exp_up[e], up_.data()}};
+      MatmulSameInput(gate_up, in_.data(), n, pool);
+      kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), n * ff);
+      MatmulRows(w.exp_down[e], gate_.data(), n, in_.data(), pool);
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(slot_out_.data() + group[i] * d, in_.data() + i * d, d * sizeof(float));
+      }
+    }
+  }
+
+  // Each token's output: its slots' weighted outputs summed in slot order, as llama.cpp adds
+  // its per-slot views.
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = out + t * d;
+    for (int32_t s = 0; s < k; ++s) {
+      const float wt = routing_.weight[t * k + s];
+      const float* y = slot_out_.data() + (t * k + s) * d;
+      if (s == 0) {
+        for (int64_t i = 0; i < d; ++i) o[i] = y[i] * wt;
+      } else {
+        for (int64_t i = 0; i < d; ++i) o[i] += y[i] * wt;
+      }
+    }
+  }
+
+  if (c.n_ff_shexp > 0) {
+    const int64_t sff = c.n_ff_shexp;
+    Grow(gate_, size_t(T) * sff);
+    Grow(up_, size_t(T) * sff);
+    Grow(shared_, size_t(T) * d);
+    const Projection gate_up[] = {{&w.sh_gate, gate_.data()}, {&w.sh_up, up_.data()}};
+    MatmulSameInput(gate_up, xn, T, pool);
+    kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), T * sff);
+    MatmulRows(w.sh_down, gate_.data(), T, shared_.data(), pool);
+    for (int64_t t = 0; t < T; ++t) {
+      double g = 0;
+      for (int64_t i = 0; i < d; ++i) g += double(w.sh_gate_inp[i]) * xn[t * d + i];
+      const float gate = static_cast<float>(1.0 / (1.0 + std::exp(-g)));
+      for (int64_t i = 0; i < d; ++i) out[t * d + i] += shared_[t * d + i] * gate;
+    }
+  }
+}
+
+}  // namespace tandem::engine
