@@ -17,6 +17,10 @@
 #                           stories15M width (288) is not a multiple of 256, so there most
 #                           matrices of a q4_K file fall back to another type
 #   TANDEM_FIDELITY_KQUANT_SHAPE  shape for that check (default llama-1b)
+#   TANDEM_FIDELITY_MOE_SHAPES  mixture-of-experts shapes (default "qwen3moe-test
+#                           qwen2moe-test mixtral-test": qwen3moe, qwen2moe and Mixtral)
+#   TANDEM_FIDELITY_MOE_TYPES   their weight types (default "f32 q8_0 q4_K"; the router stays
+#                           F32 in each, as llama.cpp's quantizer leaves it)
 #   TANDEM_LLAMA_CACHE      llama.cpp build cache (see build_llama_cpp.sh)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -85,6 +89,24 @@ for type in $kquant_types; do
   fi
   log "$type ($kquant_shape): prompt 0"
   run_case "$type" "$kquant_shape" "$model" 0 0 "${prompts[0]}"
+done
+
+moe_shapes=${TANDEM_FIDELITY_MOE_SHAPES-"qwen3moe-test qwen2moe-test mixtral-test"}
+moe_types=${TANDEM_FIDELITY_MOE_TYPES-"f32 q8_0 q4_K"}
+for shape in $moe_shapes; do
+  for type in $moe_types; do
+    model="$work/models/$shape-$type.gguf"
+    if [ ! -s "$model" ] || [ "$tandem" -nt "$model" ]; then
+      log "synthesising $model"
+      "$tandem" synth --shape "$shape" --type "$type" --seed 1 --out "$model.tmp" >&2
+      mv "$model.tmp" "$model"
+    fi
+    case "$type" in f32|F32|f16|F16) strict=1 ;; *) strict=0 ;; esac
+    for i in "${!prompts[@]}"; do
+      log "$type ($shape): prompt $i"
+      run_case "$type" "$shape" "$model" "$strict" "$i" "${prompts[$i]}"
+    done
+  done
 done
 
 if [ -f "$shared_model" ]; then

@@ -2,10 +2,11 @@
 // pinned llama.cpp on a GGUF model, decodes greedily, and prints one JSON object:
 //
 //   {"prompt_tokens":[...], "tokens":[...], "gaps":[...], "top2":[...], "spreads":[...],
-//    "stopped":"eog"|"length", "text":"..."}
+//    "router_gaps":[...], "stopped":"eog"|"length", "text":"..."}
 //
 // gaps[i] is the top-1 minus top-2 logit at step i, top2[i] the runner-up id, spreads[i] the
 // max minus min logit; the checker uses them to tell a near-tie from a real divergence.
+// router_gaps[i] (MoE models only) is step i's smallest routing margin (see RouterGaps).
 //
 // Defaults are chosen to be closest to tandem's reference path: F32 KV cache, flash attention
 // off, the whole prompt in one batch. Built only by scripts/build_llama_cpp.sh against the
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -102,6 +104,36 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
+// Mixture-of-experts models: the smallest margin, over layers and the step's tokens, between
+// the router logits of the last expert a token chose and the first it did not. A margin near
+// zero is a near-tie in routing: a rounding difference can flip the expert, and the output
+// with it, while the output logits themselves show no near-tie.
+struct RouterGaps {
+  int k = 0;  // experts per token (0: not an MoE model)
+  float step_min = 0;
+};
+
+bool ObserveRouter(ggml_tensor* t, bool ask, void* user_data) {
+  auto* g = static_cast<RouterGaps*>(user_data);
+  const bool router = std::strncmp(t->name, "ffn_moe_logits-", 15) == 0;
+  if (ask) return router;
+  if (!router || t->type != GGML_TYPE_F32) return true;
+  const int64_t n_expert = t->ne[0];
+  std::vector<float> row(static_cast<size_t>(n_expert));
+  for (int64_t j = 0; j < t->ne[1]; ++j) {
+    const char* base = static_cast<const char*>(t->data) + j * t->nb[1];
+    for (int64_t e = 0; e < n_expert; ++e) {
+      row[static_cast<size_t>(e)] = *reinterpret_cast<const float*>(base + e * t->nb[0]);
+    }
+    if (g->k >= n_expert) continue;
+    std::nth_element(row.begin(), row.begin() + g->k, row.end(), std::greater<float>());
+    const float first_out = row[static_cast<size_t>(g->k)];
+    const float last_in = *std::min_element(row.begin(), row.begin() + g->k);
+    g->step_min = std::min(g->step_min, last_in - first_out);
+  }
+  return true;
+}
+
 void QuietLog(ggml_log_level level, const char* text, void* verbose) {
   if (verbose != nullptr || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
 }
@@ -186,6 +218,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   const llama_vocab* vocab = llama_model_get_vocab(model);
+  RouterGaps router;
+  {
+    char arch[64] = {0}, used[32] = {0};
+    if (llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch) > 0 &&
+        llama_model_meta_val_str(model, (std::string(arch) + ".expert_used_count").c_str(), used,
+                                 sizeof used) > 0) {
+      router.k = std::atoi(used);
+    }
+  }
   const int n_vocab = llama_vocab_n_tokens(vocab);
 
   // add_special: BOS (and EOS) exactly as the model's metadata asks. parse_special off: the
@@ -215,6 +256,10 @@ int main(int argc, char** argv) {
   cp.type_v = o.type_v;
   cp.flash_attn_type = o.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
   cp.no_perf = true;
+  if (router.k > 0) {
+    cp.cb_eval = ObserveRouter;
+    cp.cb_eval_user_data = &router;
+  }
   llama_context* ctx = llama_init_from_model(model, cp);
   if (ctx == nullptr) {
     std::fprintf(stderr, "llama_ref: cannot create a context (KV types/flash attention?)\n");
@@ -222,7 +267,7 @@ int main(int argc, char** argv) {
   }
 
   std::vector<llama_token> tokens;
-  std::vector<float> gaps, spreads;
+  std::vector<float> gaps, spreads, router_gaps;
   std::vector<llama_token> top2s;
   // The 8 best ids and their logits at each step: a near tie may involve more than two tokens.
   std::string topk_json = "[";
@@ -230,6 +275,7 @@ int main(int argc, char** argv) {
   const char* stopped = "length";
   std::vector<llama_token> feed = prompt;
   for (int step = 0; step < o.n; ++step) {
+    router.step_min = 1e30f;
     if (llama_decode(ctx, llama_batch_get_one(feed.data(), static_cast<int32_t>(feed.size()))) != 0) {
       std::fprintf(stderr, "llama_ref: llama_decode failed at step %d\n", step);
       return 1;
@@ -248,6 +294,7 @@ int main(int argc, char** argv) {
       }
     }
     if (second < 0) second = best;  // a one-token vocabulary has no runner-up
+    if (router.k > 0) router_gaps.push_back(router.step_min);
     tokens.push_back(best);
     top2s.push_back(second);
     gaps.push_back(logits[best] - logits[second]);
@@ -281,9 +328,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "{\"prompt_tokens\":%s,\"tokens\":%s,\"gaps\":%s,\"top2\":%s,\"spreads\":%s,"
-      "\"topk\":%s,\"stopped\":\"%s\",\"n_vocab\":%d,\"text\":%s}\n",
+      "\"topk\":%s,\"router_gaps\":%s,\"stopped\":\"%s\",\"n_vocab\":%d,\"text\":%s}\n",
       JsonArray(prompt).c_str(), JsonArray(tokens).c_str(), JsonArray(gaps).c_str(),
-      JsonArray(top2s).c_str(), JsonArray(spreads).c_str(), (topk_json + "]").c_str(), stopped,
+      JsonArray(top2s).c_str(), JsonArray(spreads).c_str(), (topk_json + "]").c_str(),
+      JsonArray(router_gaps).c_str(), stopped,
       n_vocab,
       JsonString(text).c_str());
 

@@ -439,6 +439,13 @@ struct Shape {
   bool tied_embeddings;
   bool qkv_bias;
   std::optional<Llama3RopeScaling> llama3_rope;
+  // Shapes whose head width is not dim / n_heads (qwen3) name it; 0: dim / n_heads.
+  int64_t head_dim = 0;
+  bool qk_norm = false;
+  // Mixture of experts: n_expert > 0. qwen2moe and qwen3moe size each expert by n_ff_exp (ffn
+  // is then the model's nominal FFN width, written as feed_forward_length); Mixtral (llama)
+  // by ffn. n_ff_shexp > 0: qwen2moe's shared expert.
+  int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
 };
 
 const Shape kShapes[] = {
@@ -452,6 +459,25 @@ const Shape kShapes[] = {
     // Qwen2.5-0.5B.
     {"qwen2-0.5b", "qwen2", "ggml-vocab-qwen2.gguf", 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6,
      true, true, std::nullopt},
+    // Qwen3-0.6B.
+    {"qwen3-0.6b", "qwen3", "ggml-vocab-qwen2.gguf", 1024, 28, 16, 8, 3072, 40960, 1000000.0,
+     1e-6, true, false, std::nullopt, 128, true},
+    // Mixture-of-experts shapes. Qwen3-30B-A3B: 128 experts of 768, 8 per token.
+    {"qwen3-30b-a3b", "qwen3moe", "ggml-vocab-qwen2.gguf", 2048, 48, 32, 4, 6144, 40960,
+     1000000.0, 1e-6, false, false, std::nullopt, 128, true, 128, 8, 768, 0},
+    // Qwen1.5-MoE-A2.7B (qwen2moe): 60 experts of 1408, 4 per token, a shared expert of 5632.
+    {"qwen1.5-moe-a2.7b", "qwen2moe", "ggml-vocab-qwen2.gguf", 2048, 24, 16, 16, 5632, 8192,
+     1000000.0, 1e-6, false, true, std::nullopt, 0, false, 60, 4, 1408, 5632},
+    // Mixtral-8x7B scaled down 4x in width and layers (8 experts, 2 per token, as the real one).
+    {"mixtral-mini", "llama", "ggml-vocab-llama-spm.gguf", 1024, 8, 8, 2, 3584, 32768, 1000000.0,
+     1e-5, false, false, std::nullopt, 0, false, 8, 2, 3584, 0},
+    // Small MoE shapes for tests and `make fidelity` (widths are whole K-quant blocks).
+    {"qwen3moe-test", "qwen3moe", "ggml-vocab-qwen2.gguf", 256, 4, 8, 2, 1024, 4096, 1000000.0,
+     1e-6, false, false, std::nullopt, 64, true, 16, 4, 256, 0},
+    {"qwen2moe-test", "qwen2moe", "ggml-vocab-qwen2.gguf", 256, 4, 8, 8, 512, 4096, 1000000.0,
+     1e-6, false, true, std::nullopt, 0, false, 16, 4, 256, 512},
+    {"mixtral-test", "llama", "ggml-vocab-llama-spm.gguf", 256, 4, 8, 2, 512, 4096, 1000000.0,
+     1e-5, false, false, std::nullopt, 0, false, 8, 2, 512, 0},
 };
 
 // Scales, chosen so random weights give a numerically tame network (see Synthesize).
@@ -460,6 +486,10 @@ constexpr float kQueryGain = 2.0f;
 constexpr float kFirstAttnOutGain = 0.3f;
 constexpr float kNormJitter = 0.05f;
 constexpr float kBiasStd = 0.1f;
+// The MoE router: logits with a standard deviation of 2, so a token's experts are chosen by
+// clear margins (near-ties between the last chosen and first unchosen expert are rare) while
+// the weights are not one-hot.
+constexpr float kRouterGain = 2.0f;
 
 uint32_t FileTypeForImpl(DType t) {
   switch (t) {
@@ -633,7 +663,7 @@ absl::Status Synthesize(const SynthOptions& options) {
 
   const Shape& s = *shape;
   const std::string a(s.arch);
-  const int64_t head_dim = s.dim / s.n_heads;
+  const int64_t head_dim = s.head_dim > 0 ? s.head_dim : s.dim / s.n_heads;
   const int64_t q_dim = head_dim * s.n_heads, kv_dim = head_dim * s.n_kv_heads;
 
   gguf::GgufWriter w;
@@ -660,6 +690,14 @@ absl::Status Synthesize(const SynthOptions& options) {
   w.SetF32(a + ".rope.freq_base", static_cast<float>(s.rope_base));
   w.SetF32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(s.eps));
   w.SetU32(a + ".vocab_size", static_cast<uint32_t>(n_vocab));
+  if (s.n_expert > 0) {
+    w.SetU32(a + ".expert_count", static_cast<uint32_t>(s.n_expert));
+    w.SetU32(a + ".expert_used_count", static_cast<uint32_t>(s.n_expert_used));
+    if (a != "llama") w.SetU32(a + ".expert_feed_forward_length", static_cast<uint32_t>(s.n_ff_exp));
+    if (s.n_ff_shexp > 0) {
+      w.SetU32(a + ".expert_shared_feed_forward_length", static_cast<uint32_t>(s.n_ff_shexp));
+    }
+  }
   for (const gguf::KeyValue& kv : vocab->metadata()) {
     if (kv.key.starts_with("tokenizer.")) w.CopyValue(std::string(kv.key), kv.value);
   }
@@ -669,16 +707,20 @@ absl::Status Synthesize(const SynthOptions& options) {
   std::vector<std::string> f16_fallback;
   util::ThreadPool pool(DefaultThreads());
   const uint64_t seed = options.seed;
-  auto add_matrix = [&](std::string name, int64_t row_len, int64_t rows,
-                        float std) -> absl::Status {
-    const DType type = MatrixType(options.type, row_len);
-    if (type != options.type) f16_fallback.push_back(name);
+  // A matrix, or with n_stack > 1 a 3-D stack of n_stack matrices (MoE experts). The router
+  // stays F32 whatever the type, as llama.cpp's converter and quantizer keep it.
+  auto add_matrix = [&](std::string name, int64_t row_len, int64_t rows, float std,
+                        int64_t n_stack = 1, bool keep_f32 = false) -> absl::Status {
+    const DType type = keep_f32 ? DType::kF32 : MatrixType(options.type, row_len);
+    if (type != options.type && !keep_f32) f16_fallback.push_back(name);
     auto spec = std::make_unique<SynthMatrix>(SynthMatrix{Fnv1a(name), row_len, type, std});
     const SynthMatrix* m = spec.get();
     specs.push_back(std::move(spec));
     const uint64_t row_bytes = kernels::RowBytes(type, row_len);
+    std::vector<int64_t> dims = {row_len, rows};
+    if (n_stack > 1) dims.push_back(n_stack);
     return w.AddTensorFromSource(
-        std::move(name), {row_len, rows}, type,
+        std::move(name), std::move(dims), type,
         [m, row_bytes, seed, &pool](int64_t r0, int64_t r1, std::span<uint8_t> out) {
           return ParallelRows(pool, r1 - r0, m->row_len, [&](int64_t i, float* row) {
             RowNormal(seed, m->hash, r0 + i).Fill(row, m->row_len, m->std);
@@ -718,11 +760,34 @@ absl::Status Synthesize(const SynthOptions& options) {
     }
     TANDEM_RETURN_IF_ERROR(add_matrix(p + "attn_output.weight", q_dim, s.dim,
                                       out_gain / std::sqrt(static_cast<float>(q_dim))));
+    if (s.qk_norm) {
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_q_norm.weight", head_dim, 1.0f, kNormJitter));
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_k_norm.weight", head_dim, 1.0f, kNormJitter));
+    }
     TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_norm.weight", s.dim, 1.0f, kNormJitter));
-    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate.weight", s.dim, s.ffn, in_std));
-    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up.weight", s.dim, s.ffn, in_std));
-    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_down.weight", s.ffn, s.dim,
-                                      down_gain / std::sqrt(static_cast<float>(s.ffn))));
+    if (s.n_expert == 0) {
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate.weight", s.dim, s.ffn, in_std));
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up.weight", s.dim, s.ffn, in_std));
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_down.weight", s.ffn, s.dim,
+                                        down_gain / std::sqrt(static_cast<float>(s.ffn))));
+      continue;
+    }
+    // Experts as the dense FFN's matrices, stacked; the router's logits of std kRouterGain.
+    const int64_t ff = a == "llama" ? s.ffn : s.n_ff_exp, ne = s.n_expert;
+    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate_inp.weight", s.dim, ne, kRouterGain * in_std,
+                                      1, /*keep_f32=*/true));
+    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate_exps.weight", s.dim, ff, in_std, ne));
+    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up_exps.weight", s.dim, ff, in_std, ne));
+    TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_down_exps.weight", ff, s.dim,
+                                      down_gain / std::sqrt(static_cast<float>(ff)), ne));
+    if (s.n_ff_shexp > 0) {
+      const int64_t sff = s.n_ff_shexp;
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_gate_inp_shexp.weight", s.dim, 0.0f, in_std));
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate_shexp.weight", s.dim, sff, in_std));
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up_shexp.weight", s.dim, sff, in_std));
+      TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_down_shexp.weight", sff, s.dim,
+                                        down_gain / std::sqrt(static_cast<float>(sff))));
+    }
   }
   TANDEM_RETURN_IF_ERROR(add_vector("output_norm.weight", s.dim, 1.0f, kNormJitter));
   if (!s.tied_embeddings) {
@@ -735,7 +800,7 @@ absl::Status Synthesize(const SynthOptions& options) {
   return w.Write(options.out_path);
 }
 
-// Requantisation. Only 2D ".weight" matrices change type: norms, biases and rope factors are
+// Requantisation. Only 2-D ".weight" matrices and 3-D expert stacks change type: norms, biases and rope factors are
 // copied as they are. A matrix whose row length is not a whole number of the target type's
 // blocks (e.g. 896-wide rows for a 256-element K-quant block) falls back to F16, which every
 // row length allows and which loses little.
@@ -755,7 +820,11 @@ absl::Status QuantizeModel(const std::string& in_path, const std::string& out_pa
   std::vector<std::string> f16_fallback;
   for (const gguf::TensorInfo& t : in->tensors()) {
     const uint64_t src_row_bytes = kernels::RowBytes(t.type, t.dims[0]);
-    const bool is_matrix = t.dims.size() == 2 && std::string_view(t.name).ends_with(".weight");
+    // Matrices and stacks of expert matrices; the MoE router keeps its type (llama.cpp's
+    // quantizer leaves ffn_gate_inp alone too).
+    const bool is_matrix = (t.dims.size() == 2 || t.dims.size() == 3) &&
+                           std::string_view(t.name).ends_with(".weight") &&
+                           !std::string_view(t.name).ends_with("ffn_gate_inp.weight");
     const DType dst = is_matrix ? MatrixType(type, t.dims[0]) : t.type;
     if (is_matrix && dst != type) f16_fallback.emplace_back(t.name);
     if (dst == t.type) {

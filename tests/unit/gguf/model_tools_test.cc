@@ -668,7 +668,51 @@ TEST(Synthesize, BadOptions) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Synthesize({"stories15M", DType::kF32, out, 0, "/nonexistent"}).code(),
             absl::StatusCode::kNotFound);
-  EXPECT_THAT(SynthShapeNames(), ::testing::ElementsAre("stories15M", "llama-1b", "qwen2-0.5b"));
+  EXPECT_THAT(SynthShapeNames(),
+              ::testing::ElementsAre("stories15M", "llama-1b", "qwen2-0.5b", "qwen3-0.6b",
+                                     "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-mini",
+                                     "qwen3moe-test", "qwen2moe-test", "mixtral-test"));
+}
+
+// MoE shapes: experts as 3-D stacks with the keys llama.cpp reads; the router stays F32
+// whatever the type, and requantisation converts the stacks but not the router.
+TEST(Synthesize, MoeShapesStackTheirExperts) {
+  if (!HaveVocab("ggml-vocab-qwen2.gguf")) GTEST_SKIP() << "vocab files absent";
+  const std::string path = TempPath("synth_qwen2moe.gguf");
+  ASSERT_TRUE(Synthesize({"qwen2moe-test", DType::kQ8_0, path, 2, kVocabDir}).ok());
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const GgufFile& g = **f;
+  EXPECT_EQ(*g.GetString("general.architecture"), "qwen2moe");
+  EXPECT_EQ(*g.GetUInt("qwen2moe.expert_count"), 16u);
+  EXPECT_EQ(*g.GetUInt("qwen2moe.expert_used_count"), 4u);
+  EXPECT_EQ(*g.GetUInt("qwen2moe.expert_feed_forward_length"), 256u);
+  EXPECT_EQ(*g.GetUInt("qwen2moe.expert_shared_feed_forward_length"), 512u);
+  const gguf::TensorInfo* up = g.FindTensor("blk.3.ffn_up_exps.weight");
+  ASSERT_NE(up, nullptr);
+  EXPECT_EQ(up->dims, (std::vector<int64_t>{256, 256, 16}));
+  EXPECT_EQ(up->type, DType::kQ8_0);
+  EXPECT_EQ(g.FindTensor("blk.3.ffn_down_exps.weight")->dims, (std::vector<int64_t>{256, 256, 16}));
+  EXPECT_EQ(g.FindTensor("blk.3.ffn_gate_inp.weight")->type, DType::kF32);
+  EXPECT_EQ(g.FindTensor("blk.3.ffn_gate_inp_shexp.weight")->dims, (std::vector<int64_t>{256}));
+  EXPECT_EQ(g.FindTensor("blk.3.ffn_down_shexp.weight")->dims, (std::vector<int64_t>{512, 256}));
+  EXPECT_EQ(g.FindTensor("blk.0.ffn_gate.weight"), nullptr);
+  // Expert slabs are distinct random matrices, not copies of one.
+  const std::vector<float> all = AllF32(*up);
+  const size_t slab = 256 * 256;
+  double diff = 0;
+  for (size_t i = 0; i < slab; ++i) diff += std::fabs(all[i] - all[slab + i]);
+  EXPECT_GT(diff / slab, 0.01);
+
+  const std::string q = TempPath("synth_qwen2moe_q4k.gguf");
+  ASSERT_TRUE(QuantizeModel(path, q, DType::kQ4_K).ok());
+  auto qf = GgufFile::Open(q);
+  ASSERT_TRUE(qf.ok());
+  EXPECT_EQ((*qf)->FindTensor("blk.3.ffn_up_exps.weight")->type, DType::kQ4_K);
+  EXPECT_EQ((*qf)->FindTensor("blk.3.ffn_up_exps.weight")->dims, up->dims);
+  EXPECT_EQ((*qf)->FindTensor("blk.3.ffn_gate_inp.weight")->type, DType::kF32);
+  std::filesystem::remove(path);
+  std::filesystem::remove(q);
 }
 
 // ---------------------------------------------------------------------------------------------
