@@ -91,8 +91,8 @@ for type in $kquant_types; do
   run_case "$type" "$kquant_shape" "$model" 0 0 "${prompts[0]}"
 done
 
-moe_shapes=${TANDEM_FIDELITY_MOE_SHAPES-"qwen3moe-test qwen2moe-test mixtral-test"}
-moe_types=${TANDEM_FIDELITY_MOE_TYPES-"f32 q8_0 q4_K"}
+moe_shapes=${TANDEM_FIDELITY_MOE_SHAPES-"qwen3moe-test qwen2moe-test mixtral-test gpt-oss-test"}
+moe_types=${TANDEM_FIDELITY_MOE_TYPES-"f32 q8_0 q4_K mxfp4"}
 for shape in $moe_shapes; do
   for type in $moe_types; do
     model="$work/models/$shape-$type.gguf"

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <cstdlib>
 #include <limits>
@@ -84,8 +85,33 @@ absl::Status ReadExperts(const gguf::GgufFile& f, const std::string& p, int64_t 
           absl::StrCat("missing key ", p, "expert_shared_feed_forward_length"));
     }
   }
-  // Mixtral and qwen3moe renormalise the chosen experts' weights; qwen2moe does not.
-  c.expert_weights_norm = c.arch != Arch::kQwen2Moe;
+  // Mixtral and qwen3moe renormalise the chosen experts' weights; qwen2moe does not; gpt-oss
+  // takes a softmax over the chosen logits, which sums to 1 already.
+  c.expert_weights_norm = c.arch == Arch::kLlama || c.arch == Arch::kQwen3Moe;
+  if (c.arch == Arch::kGptOss) {
+    c.expert_gating = ExpertGating::kSoftmaxWeight;
+    c.swiglu_oai = true;
+  }
+  return absl::OkStatus();
+}
+
+// YaRN, as llama.cpp's context sets it up: ext_factor 1; the magnitude factor is
+// mscale(factor, 1) / mscale(factor, yarn_log_multiplier) when that key is set, else
+// mscale(factor, 1), divided by 1 + 0.1 ln(factor) (ggml's rope multiplies that back in), times
+// rope.scaling.attn_factor; mscale(s, m) = 1 + 0.1 m ln s for s > 1. The correction dims come
+// from the original context (rope.scaling.original_context_length, else context_length).
+absl::Status ReadYarn(const gguf::GgufFile& f, const std::string& p, ModelConfig& c) {
+  const float factor = 1.0f / c.rope_freq_scale;
+  auto mscale = [](float s, float m) { return s <= 1.0f ? 1.0f : 0.1f * m * std::log(s) + 1.0f; };
+  TANDEM_ASSIGN_OR_RETURN(double log_mul, f.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
+  TANDEM_ASSIGN_OR_RETURN(double attn, f.GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
+  float a = log_mul != 0.0 ? mscale(factor, 1.0f) / mscale(factor, static_cast<float>(log_mul))
+                           : mscale(factor, 1.0f);
+  a *= 1.0f / (1.0f + 0.1f * std::log(factor));
+  c.rope_ext_factor = 1.0f;
+  c.rope_attn_factor = a * static_cast<float>(attn);
+  TANDEM_ASSIGN_OR_RETURN(c.rope_ctx_orig,
+                          GetDim(f, p + "rope.scaling.original_context_length", c.n_ctx_train));
   return absl::OkStatus();
 }
 
@@ -183,10 +209,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
     c.arch = Arch::kQwen3Moe;
     c.rope_mode = kernels::RopeMode::kNeox;
     c.qk_norm = true;
+  } else if (arch == "gpt-oss") {
+    c.arch = Arch::kGptOss;
+    c.rope_mode = kernels::RopeMode::kNeox;
+    c.attn_sinks = true;
   } else {
     return absl::UnimplementedError(
         absl::StrCat("model architecture '", std::string(arch),
-                     "' is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe)"));
+                     "' is not supported (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss)"));
   }
   TANDEM_ASSIGN_OR_RETURN(std::string_view name, f.GetStringOr("general.name", ""));
   c.name = std::string(name);
@@ -196,7 +226,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
   TANDEM_ASSIGN_OR_RETURN(c.n_head, GetDim(f, p + "attention.head_count"));
   TANDEM_ASSIGN_OR_RETURN(c.n_head_kv, GetDim(f, p + "attention.head_count_kv", c.n_head));
   TANDEM_ASSIGN_OR_RETURN(uint64_t n_expert, f.GetUIntOr(p + "expert_count", 0));
-  const bool moe_arch = c.arch == Arch::kQwen2Moe || c.arch == Arch::kQwen3Moe;
+  const bool moe_arch =
+      c.arch == Arch::kQwen2Moe || c.arch == Arch::kQwen3Moe || c.arch == Arch::kGptOss;
   if (moe_arch && n_expert == 0) {
     return absl::InvalidArgumentError(absl::StrCat(p, "expert_count must be > 0 for ", c.arch_name));
   }
@@ -235,13 +266,21 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
   }
   c.norm_eps = static_cast<float>(eps);
   c.rope_base = static_cast<float>(base);
+  TANDEM_ASSIGN_OR_RETURN(double base_swa, f.GetFloatOr(p + "rope.freq_base_swa", base));
+  if (!(base_swa > 0)) return absl::InvalidArgumentError("rope.freq_base_swa must be positive");
+  c.rope_base_swa = static_cast<float>(base_swa);
   TANDEM_ASSIGN_OR_RETURN(std::string_view scaling, f.GetStringOr(p + "rope.scaling.type", "none"));
-  if (scaling == "linear") {
+  if (scaling == "linear" || scaling == "yarn") {
     TANDEM_ASSIGN_OR_RETURN(double factor, f.GetFloatOr(p + "rope.scaling.factor", 1.0));
     if (!(factor > 0)) return absl::InvalidArgumentError("rope.scaling.factor must be positive");
     c.rope_freq_scale = static_cast<float>(1.0 / factor);
   } else if (scaling != "none" && scaling != "llama3") {
     return absl::UnimplementedError(absl::StrCat("rope scaling '", std::string(scaling), "' is not supported"));
+  }
+  if (scaling == "yarn") TANDEM_RETURN_IF_ERROR(ReadYarn(f, p, c));
+  if (c.arch == Arch::kGptOss) {
+    TANDEM_ASSIGN_OR_RETURN(c.n_swa, GetDim(f, p + "attention.sliding_window"));
+    TANDEM_ASSIGN_OR_RETURN(c.swa_period, GetDim(f, p + "attention.sliding_window_pattern", 2));
   }
   return c;
 }
@@ -419,7 +458,9 @@ absl::Status Model::Bind() {
     LayerWeights& l = layers_[i];
     const std::string b = absl::StrCat("blk.", i, ".");
     TANDEM_ASSIGN_OR_RETURN(l.attn_norm, LoadVector(f, b + "attn_norm.weight", c.n_embd));
-    TANDEM_ASSIGN_OR_RETURN(l.ffn_norm, LoadVector(f, b + "ffn_norm.weight", c.n_embd));
+    // gpt-oss names its FFN's input norm post_attention_norm.
+    const std::string ffn_norm = c.arch == Arch::kGptOss ? "post_attention_norm.weight" : "ffn_norm.weight";
+    TANDEM_ASSIGN_OR_RETURN(l.ffn_norm, LoadVector(f, b + ffn_norm, c.n_embd));
     TANDEM_ASSIGN_OR_RETURN(l.wq, LoadMatrix(f, b + "attn_q.weight", c.n_embd, q_dim));
     TANDEM_ASSIGN_OR_RETURN(l.wk, LoadMatrix(f, b + "attn_k.weight", c.n_embd, kv_dim));
     TANDEM_ASSIGN_OR_RETURN(l.wv, LoadMatrix(f, b + "attn_v.weight", c.n_embd, kv_dim));
@@ -435,6 +476,12 @@ absl::Status Model::Bind() {
       TANDEM_ASSIGN_OR_RETURN(l.exp_gate, LoadExperts(f, b + "ffn_gate_exps.weight", c.n_embd, ff, ne));
       TANDEM_ASSIGN_OR_RETURN(l.exp_up, LoadExperts(f, b + "ffn_up_exps.weight", c.n_embd, ff, ne));
       TANDEM_ASSIGN_OR_RETURN(l.exp_down, LoadExperts(f, b + "ffn_down_exps.weight", ff, c.n_embd, ne));
+      if (c.arch == Arch::kGptOss) {
+        TANDEM_ASSIGN_OR_RETURN(l.gate_inp_b, LoadVector(f, b + "ffn_gate_inp.bias", ne));
+        TANDEM_ASSIGN_OR_RETURN(l.exp_gate_b, LoadVector(f, b + "ffn_gate_exps.bias", ff * ne));
+        TANDEM_ASSIGN_OR_RETURN(l.exp_up_b, LoadVector(f, b + "ffn_up_exps.bias", ff * ne));
+        TANDEM_ASSIGN_OR_RETURN(l.exp_down_b, LoadVector(f, b + "ffn_down_exps.bias", c.n_embd * ne));
+      }
       if (c.n_ff_shexp > 0) {
         const int64_t sff = c.n_ff_shexp;
         TANDEM_ASSIGN_OR_RETURN(l.sh_gate_inp,
@@ -450,6 +497,10 @@ absl::Status Model::Bind() {
       TANDEM_ASSIGN_OR_RETURN(l.bq, LoadVector(f, b + "attn_q.bias", q_dim));
       TANDEM_ASSIGN_OR_RETURN(l.bk, LoadVector(f, b + "attn_k.bias", kv_dim));
       TANDEM_ASSIGN_OR_RETURN(l.bv, LoadVector(f, b + "attn_v.bias", kv_dim));
+    }
+    if (c.arch == Arch::kGptOss) {
+      TANDEM_ASSIGN_OR_RETURN(l.bo, LoadVector(f, b + "attn_output.bias", c.n_embd));
+      TANDEM_ASSIGN_OR_RETURN(l.sinks, LoadVector(f, b + "attn_sinks.weight", c.n_head));
     }
     if (c.qk_norm) {
       TANDEM_ASSIGN_OR_RETURN(l.q_norm, LoadVector(f, b + "attn_q_norm.weight", c.head_dim));

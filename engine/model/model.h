@@ -1,6 +1,9 @@
 // A loaded model: hyperparameters from GGUF keys, weight views into the memory-mapped file,
-// and the tokenizer. Supported architectures: llama (Llama 2/3, TinyLlama, SmolLM, Mistral) and
-// qwen2 (llama plus q/k/v biases and neox rope).
+// and the tokenizer. Supported architectures: llama (Llama 2/3, TinyLlama, SmolLM, Mistral, and
+// Mixtral: llama with expert tensors), qwen2 (llama plus q/k/v biases and neox rope), qwen3
+// (neox rope, per-head q/k norms), qwen2moe (qwen2 with routed experts plus a gated shared
+// expert), qwen3moe (qwen3 with routed experts) and gpt-oss (routed experts with biases and a
+// clamped SwiGLU, attention sinks, a sliding window on alternate layers, YaRN rope).
 //
 // Load validates every tensor the forward pass will touch (presence, type, shape), so a bad
 // file fails here with a message naming the tensor, never mid-generation. After Load the Model
@@ -21,7 +24,13 @@
 
 namespace tandem::engine {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kQwen2Moe, kQwen3Moe };
+enum class Arch { kLlama, kQwen2, kQwen3, kQwen2Moe, kQwen3Moe, kGptOss };
+
+// How a token's router logits become its experts and their weights.
+enum class ExpertGating {
+  kSoftmax,        // softmax over all experts, then the top k (their probabilities as weights)
+  kSoftmaxWeight,  // the top k logits, then a softmax over those k (gpt-oss)
+};
 
 struct ModelConfig {
   Arch arch = Arch::kLlama;
@@ -39,6 +48,12 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   float rope_base = 10000.0f;
   float rope_freq_scale = 1.0f;
+  float rope_base_swa = 10000.0f;  // sliding-window layers' base (rope.freq_base_swa)
+  // YaRN (rope.scaling.type yarn): ext_factor 1, the magnitude factor, and the original
+  // context the correction dims are computed over (kernels::RopeParams).
+  float rope_ext_factor = 0.0f;
+  float rope_attn_factor = 1.0f;
+  int32_t rope_ctx_orig = 0;
   kernels::RopeMode rope_mode = kernels::RopeMode::kNormal;
   bool qkv_bias = false;  // q/k/v biases required (qwen2); other archs load them if present
   bool qk_norm = false;   // per-head RMSNorm of q and k before rope (qwen3, qwen3moe)
@@ -52,8 +67,21 @@ struct ModelConfig {
   int32_t n_ff_exp = 0;    // rows of each expert's gate/up matrices
   int32_t n_ff_shexp = 0;  // the shared expert's, 0 without one
   bool expert_weights_norm = false;
+  ExpertGating expert_gating = ExpertGating::kSoftmax;
+  // gpt-oss's expert activation: x = min(gate, 7), y = clamp(up, -7, 7),
+  // out = x * sigmoid(1.702 x) * (y + 1); otherwise SwiGLU.
+  bool swiglu_oai = false;
+
+  // Sliding-window attention (n_swa > 0): layer l attends to its last n_swa positions when
+  // l % swa_period < swa_period - 1 (gpt-oss: every even layer), to the whole prefix otherwise.
+  int32_t n_swa = 0;
+  int32_t swa_period = 0;
+  bool attn_sinks = false;  // one extra softmax logit per head (attn_sinks.weight)
 
   bool is_moe() const { return n_expert > 0; }
+  bool is_swa_layer(int32_t l) const {
+    return n_swa > 0 && (swa_period == 0 || l % swa_period < swa_period - 1);
+  }
   // Weight elements of one layer's FFN that one token multiplies by (its router, its chosen
   // experts and the shared expert, or the dense FFN).
   double ffn_params_per_token() const;
@@ -91,12 +119,17 @@ struct LayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // n_embd
   std::vector<float> bq, bk, bv;           // empty without qkv bias
   std::vector<float> q_norm, k_norm;       // head_dim; empty without qk_norm
+  std::vector<float> bo;                   // n_embd: attention output bias (gpt-oss)
+  std::vector<float> sinks;                // n_head: attention sink logits (gpt-oss)
   WeightView wq, wk, wv, wo;
   WeightView w_gate, w_up, w_down;  // dense FFN; unset in MoE layers
   // MoE: the router (n_expert rows), and each expert's matrices as views into the stacked
   // 3-D tensors (expert e is the e-th slab of rows).
   WeightView ffn_gate_inp;
+  std::vector<float> gate_inp_b;  // n_expert router bias, or empty
   std::vector<WeightView> exp_gate, exp_up, exp_down;
+  // Expert biases, [expert][n_ff_exp] for gate and up, [expert][n_embd] for down; or empty.
+  std::vector<float> exp_gate_b, exp_up_b, exp_down_b;
   WeightView sh_gate, sh_up, sh_down;  // shared expert; unset without one
   std::vector<float> sh_gate_inp;      // n_embd: the shared expert's scalar gate
 };

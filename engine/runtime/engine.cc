@@ -236,6 +236,16 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
   rope.freq_base = c.rope_base;
   rope.freq_scale = c.rope_freq_scale;
   rope.freq_factors = model_->rope_freqs().empty() ? nullptr : model_->rope_freqs().data();
+  rope.ext_factor = c.rope_ext_factor;
+  rope.attn_factor = c.rope_attn_factor;
+  // Sliding-window layers may turn at another base (gpt-oss: the same one).
+  kernels::RopeParams rope_swa = rope;
+  rope_swa.freq_base = c.rope_base_swa;
+  if (c.rope_ext_factor != 0.0f) {
+    kernels::YarnCorrDims(c.n_rot, c.rope_ctx_orig, rope.freq_base, 32.0f, 1.0f, rope.corr_dims);
+    kernels::YarnCorrDims(c.n_rot, c.rope_ctx_orig, rope_swa.freq_base, 32.0f, 1.0f,
+                          rope_swa.corr_dims);
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   util::ThreadPool* pool = &pool_;
   // Small per-row work (norms, rope) only pays for threads when there are many rows.
@@ -243,6 +253,8 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
 
   for (int32_t l = 0; l < c.n_layer; ++l) {
     const LayerWeights& w = model_->layer(l);
+    const bool swa = c.is_swa_layer(l);
+    const kernels::RopeParams& layer_rope = swa ? rope_swa : rope;
     pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
         kernels::RmsNorm(x_.data() + r * d, w.attn_norm.data(), xn_.data() + r * d, d, c.norm_eps);
@@ -270,8 +282,8 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
     }
     pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
-        kernels::Rope(rope, q_.data() + r * q_dim, c.n_head, pos_[r]);
-        kernels::Rope(rope, k_.data() + r * kv_dim, c.n_head_kv, pos_[r]);
+        kernels::Rope(layer_rope, q_.data() + r * q_dim, c.n_head, pos_[r]);
+        kernels::Rope(layer_rope, k_.data() + r * kv_dim, c.n_head_kv, pos_[r]);
         kv_->Write(l, chunks[row_chunk[r]].block_table, pos_[r], k_.data() + r * kv_dim,
                    v_.data() + r * kv_dim);
       }
@@ -298,12 +310,15 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
       ap.block_table = ch.block_table.data();
       ap.out = attn_.data() + row * q_dim;
       ap.out_stride = q_dim;
+      ap.window = swa ? c.n_swa : 0;
+      ap.sinks = w.sinks.empty() ? nullptr : w.sinks.data();
       attn_params_.push_back(ap);
       row += n;
     }
     kernels::PagedAttentionBatch(attn_params_, pool);
 
     MatmulRows(w.wo, attn_.data(), T, tmp_.data(), pool);
+    AddBias(tmp_.data(), w.bo, T);
     kernels::AddInPlace(x_.data(), tmp_.data(), T * d);
     pool->ParallelFor(T, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {

@@ -18,32 +18,55 @@ void Grow(std::vector<float>& v, size_t n) {
 // The smallest normal f16: llama.cpp clamps the sum of the chosen weights to it before dividing.
 constexpr float kMinWeightSum = 6.103515625e-5f;
 
+// Softmax as ggml computes it: shift by the max, sum the exponentials in double, scale.
+void Softmax(const float* in, int64_t n, float* out) {
+  const float mx = *std::max_element(in, in + n);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (out[i] = std::exp(in[i] - mx));
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+}
+
 }  // namespace
 
-void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k, bool normalize,
-                 Routing* out) {
+void SwiGluOai(const float* gate, const float* up, float* out, int64_t n) {
+  constexpr float kAlpha = 1.702f, kLimit = 7.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = std::min(gate[i], kLimit);
+    const float y = std::clamp(up[i], -kLimit, kLimit);
+    out[i] = x / (1.0f + std::exp(kAlpha * (-x))) * (y + 1.0f);
+  }
+}
+
+void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k,
+                 ExpertGating gating, bool normalize, Routing* out) {
   out->k = k;
   out->expert.resize(size_t(T) * k);
   out->weight.resize(size_t(T) * k);
-  std::vector<float> probs(n_expert);
+  std::vector<float> probs(n_expert), chosen_logits(k), chosen_weights(k);
   std::vector<int32_t> order(n_expert);
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logits + t * n_expert;
-    // Softmax as ggml computes it: shift by the max, sum the exponentials in double.
-    const float mx = *std::max_element(l, l + n_expert);
-    double sum = 0;
-    for (int32_t e = 0; e < n_expert; ++e) sum += (probs[e] = std::exp(l[e] - mx));
-    const float inv = static_cast<float>(1.0 / sum);
-    for (float& p : probs) p *= inv;
+    if (gating == ExpertGating::kSoftmax) {
+      Softmax(l, n_expert, probs.data());
+    } else {
+      std::copy(l, l + n_expert, probs.begin());  // chosen on the logits themselves
+    }
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
       return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
     });
+    for (int32_t s = 0; s < k; ++s) out->expert[t * k + s] = order[s];
+    if (gating == ExpertGating::kSoftmaxWeight) {
+      for (int32_t s = 0; s < k; ++s) chosen_logits[s] = probs[order[s]];
+      Softmax(chosen_logits.data(), k, chosen_weights.data());
+      for (int32_t s = 0; s < k; ++s) out->weight[t * k + s] = chosen_weights[s];
+      continue;
+    }
     float chosen = 0;
     for (int32_t s = 0; s < k; ++s) chosen += probs[order[s]];
     const float scale = normalize ? 1.0f / std::max(chosen, kMinWeightSum) : 1.0f;
     for (int32_t s = 0; s < k; ++s) {
-      out->expert[t * k + s] = order[s];
       out->weight[t * k + s] = normalize ? probs[order[s]] * scale : probs[order[s]];
     }
   }
@@ -55,7 +78,30 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
   const int32_t ne = c.n_expert, k = c.n_expert_used;
   Grow(logits_, size_t(T) * ne);
   MatmulRows(w.ffn_gate_inp, xn, T, logits_.data(), pool);
-  RouteTokens(logits_.data(), T, ne, k, c.expert_weights_norm, &routing_);
+  if (!w.gate_inp_b.empty()) {
+    for (int64_t t = 0; t < T; ++t) kernels::AddInPlace(logits_.data() + t * ne, w.gate_inp_b.data(), ne);
+  }
+  RouteTokens(logits_.data(), T, ne, k, c.expert_gating, c.expert_weights_norm, &routing_);
+  // The expert activation, after each projection's bias.
+  auto activate = [&](int32_t e, float* gate, float* up, int64_t rows) {
+    if (!w.exp_gate_b.empty()) {
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels::AddInPlace(gate + r * ff, w.exp_gate_b.data() + e * ff, ff);
+        kernels::AddInPlace(up + r * ff, w.exp_up_b.data() + e * ff, ff);
+      }
+    }
+    if (c.swiglu_oai) {
+      SwiGluOai(gate, up, gate, rows * ff);
+    } else {
+      kernels::SwiGlu(gate, up, gate, rows * ff);
+    }
+  };
+  auto down_bias = [&](int32_t e, float* out_rows, int64_t rows) {
+    if (w.exp_down_b.empty()) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      kernels::AddInPlace(out_rows + r * d, w.exp_down_b.data() + e * d, d);
+    }
+  };
 
   // Group the (token, slot) pairs by expert, in token order within each group.
   counts_.assign(ne, 0);
@@ -85,11 +131,14 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
       gate_up.push_back({&w.exp_up[e], up_.data() + s * ff});
     }
     MatmulSameInput(gate_up, xn, 1, pool);
-    kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), k * ff);
+    for (int32_t s = 0; s < k; ++s) {
+      activate(routing_.expert[s], gate_.data() + s * ff, up_.data() + s * ff, 1);
+    }
     pool->ParallelFor(k, [&](int64_t b, int64_t end, int) {
       for (int64_t s = b; s < end; ++s) {
-        MatmulRows(w.exp_down[routing_.expert[s]], gate_.data() + s * ff, 1,
-                   slot_out_.data() + s * d, nullptr);
+        const int32_t e = routing_.expert[s];
+        MatmulRows(w.exp_down[e], gate_.data() + s * ff, 1, slot_out_.data() + s * d, nullptr);
+        down_bias(e, slot_out_.data() + s * d, 1);
       }
     });
   } else {
@@ -102,8 +151,9 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
       }
       const Projection gate_up[] = {{&w.exp_gate[e], gate_.data()}, {&w.exp_up[e], up_.data()}};
       MatmulSameInput(gate_up, in_.data(), n, pool);
-      kernels::SwiGlu(gate_.data(), up_.data(), gate_.data(), n * ff);
+      activate(e, gate_.data(), up_.data(), n);
       MatmulRows(w.exp_down[e], gate_.data(), n, in_.data(), pool);
+      down_bias(e, in_.data(), n);
       for (int64_t i = 0; i < n; ++i) {
         std::memcpy(slot_out_.data() + group[i] * d, in_.data() + i * d, d * sizeof(float));
       }

@@ -1,15 +1,18 @@
 // The mixture-of-experts FFN of one layer on the CPU (ModelConfig::is_moe).
 //
-// Route: each token's router logits (ffn_gate_inp . x) go through a softmax over all experts;
-// the n_expert_used highest probabilities pick its experts, in descending order (ties to the
-// lower expert id), and are its weights, renormalised to sum 1 when expert_weights_norm. This
-// is llama.cpp's build_moe_ffn with the softmax gating function.
+// Route: each token's router logits (ffn_gate_inp . x, plus its bias if any) pick its
+// n_expert_used experts, in descending order (ties to the lower expert id). With
+// ExpertGating::kSoftmax the weights are the experts' probabilities under a softmax over all
+// experts, renormalised to sum 1 when expert_weights_norm; with kSoftmaxWeight (gpt-oss) they
+// are a softmax over the chosen experts' logits. This is llama.cpp's build_moe_ffn.
 //
 // Forward: tokens are grouped by expert, so each chosen expert's gate, up and down matrices
 // are read once per step whatever the number of tokens routed to it, and experts no token
 // chose are not read at all (a batch-1 decode reads n_expert_used of them). A token's output is
-// the sum over its slots, in slot order, of weight * down(silu(gate(x)) * up(x)), plus the
-// shared expert scaled by sigmoid(ffn_gate_inp_shexp . x) when the model has one.
+// the sum over its slots, in slot order, of weight * down(act(gate(x), up(x))), plus the
+// shared expert scaled by sigmoid(ffn_gate_inp_shexp . x) when the model has one. act is
+// SwiGLU, or gpt-oss's clamped variant (ModelConfig::swiglu_oai); expert biases, when the
+// model has them, are added after each projection.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +29,13 @@ struct Routing {
   std::vector<float> weight;    // [token * k + slot]
 };
 
-// Routes T tokens from their router logits ([T][n_expert], row-major); softmax gating.
-void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k, bool normalize,
-                 Routing* out);
+// Routes T tokens from their router logits ([T][n_expert], row-major).
+void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k,
+                 ExpertGating gating, bool normalize, Routing* out);
+
+// gpt-oss's expert activation (ModelConfig::swiglu_oai), as ggml's swiglu_oai with alpha 1.702
+// and limit 7.
+void SwiGluOai(const float* gate, const float* up, float* out, int64_t n);
 
 class MoeFfn {
  public:

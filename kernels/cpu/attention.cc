@@ -59,10 +59,11 @@ void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scor
   const int64_t kvh = h / group;
   const float* q = p.q + qi * p.q_stride + h * p.head_dim;
   const int64_t n_keys = p.q_pos[qi] + 1;
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, n_keys - p.window) : 0;
   const int64_t d = p.head_dim;
 
   float max_s = -INFINITY;
-  for (int64_t t = 0; t < n_keys; ++t) {
+  for (int64_t t = first; t < n_keys; ++t) {
     const T* k = nullptr;
     if constexpr (!std::is_same_v<T, QuantTag>) k = Slot<T>(p, p.k_cache, t, kvh);
     float s;
@@ -79,16 +80,18 @@ void AttendOne(const PagedAttentionParams& p, int64_t qi, int64_t h, float* scor
     scores[t] = s;
     max_s = std::max(max_s, s);
   }
+  if (p.sinks != nullptr) max_s = std::max(max_s, p.sinks[h]);
   double sum = 0.0;
-  for (int64_t t = 0; t < n_keys; ++t) {
+  for (int64_t t = first; t < n_keys; ++t) {
     const float e = std::exp(scores[t] - max_s);
     scores[t] = e;
     sum += e;
   }
+  if (p.sinks != nullptr) sum += std::exp(p.sinks[h] - max_s);
   const float inv = static_cast<float>(1.0 / sum);
   float* out = p.out + qi * p.out_stride + h * d;
   std::fill(out, out + d, 0.0f);
-  for (int64_t t = 0; t < n_keys; ++t) {
+  for (int64_t t = first; t < n_keys; ++t) {
     const float w = scores[t] * inv;
     if constexpr (std::is_same_v<T, float>) {
       const T* v = Slot<T>(p, p.v_cache, t, kvh);
@@ -214,20 +217,21 @@ void PagedAttentionReference(const PagedAttentionParams& p) {
       const int64_t kvh = h / group;
       const float* q = p.q + qi * p.q_stride + h * d;
       const int64_t n_keys = p.q_pos[qi] + 1;
-      std::vector<double> s(n_keys);
-      double mx = -INFINITY;
-      for (int64_t t = 0; t < n_keys; ++t) {
+      const int64_t first = p.window > 0 ? std::max<int64_t>(0, n_keys - p.window) : 0;
+      std::vector<double> s(n_keys, -INFINITY);
+      double mx = p.sinks != nullptr ? double(p.sinks[h]) : -INFINITY;
+      for (int64_t t = first; t < n_keys; ++t) {
         double acc = 0;
         for (int64_t i = 0; i < d; ++i) acc += double(q[i]) * load(p.k_cache, t, kvh, i);
         s[t] = acc * p.scale;
         mx = std::max(mx, s[t]);
       }
-      double sum = 0;
+      double sum = p.sinks != nullptr ? std::exp(double(p.sinks[h]) - mx) : 0.0;
       for (auto& x : s) sum += (x = std::exp(x - mx));
       float* out = p.out + qi * p.out_stride + h * d;
       for (int64_t i = 0; i < d; ++i) {
         double acc = 0;
-        for (int64_t t = 0; t < n_keys; ++t) acc += s[t] / sum * load(p.v_cache, t, kvh, i);
+        for (int64_t t = first; t < n_keys; ++t) acc += s[t] / sum * load(p.v_cache, t, kvh, i);
         out[i] = static_cast<float>(acc);
       }
     }

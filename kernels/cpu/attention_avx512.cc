@@ -281,7 +281,8 @@ void AttendItemT(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t
 }  // namespace
 
 bool AttentionSupports(const PagedAttentionParams& p) {
-  return p.head_dim >= 1 && p.head_dim <= 128 &&
+  // Attention sinks and sliding windows (gpt-oss) take the scalar path.
+  return p.sinks == nullptr && p.window == 0 && p.head_dim >= 1 && p.head_dim <= 128 &&
          (p.kv_type == DType::kF16 || p.kv_type == DType::kF32 || p.kv_type == DType::kI8 ||
           p.kv_type == DType::kFp8E4M3);
 }

@@ -71,9 +71,10 @@ absl::Status AddVector(gguf::GgufWriter& w, Rng& rng, const std::string& name, i
 absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) {
   gguf::GgufWriter w;
   const std::string a = o.arch == "mixtral" ? "llama" : o.arch;
-  const bool moe = o.arch == "mixtral" || o.arch == "qwen2moe" || o.arch == "qwen3moe";
+  const bool gpt_oss = o.arch == "gpt-oss";
+  const bool moe = o.arch == "mixtral" || o.arch == "qwen2moe" || o.arch == "qwen3moe" || gpt_oss;
   const bool qk_norm = o.arch == "qwen3" || o.arch == "qwen3moe";
-  const bool biases = o.arch == "qwen2" || o.arch == "qwen2moe";
+  const bool biases = o.arch == "qwen2" || o.arch == "qwen2moe" || gpt_oss;
   w.SetString("general.architecture", a);
   w.SetString("general.name", "tiny random test model");
   w.SetU32(a + ".context_length", o.n_ctx);
@@ -85,6 +86,14 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
     w.SetU32(a + ".expert_used_count", o.n_expert_used);
     if (a != "llama") w.SetU32(a + ".expert_feed_forward_length", o.n_ff);
     if (a == "qwen2moe") w.SetU32(a + ".expert_shared_feed_forward_length", 2 * o.n_ff);
+  }
+  if (gpt_oss) {
+    // A window shorter than the tests' prompts, and YaRN over a short original context, so
+    // both change the output.
+    w.SetU32(a + ".attention.sliding_window", 6);
+    w.SetString(a + ".rope.scaling.type", "yarn");
+    w.SetF32(a + ".rope.scaling.factor", 4.0f);
+    w.SetU32(a + ".rope.scaling.original_context_length", 64);
   }
   w.SetU32(a + ".attention.head_count", o.n_head);
   w.SetU32(a + ".attention.head_count_kv", o.n_head_kv);
@@ -129,7 +138,9 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
   for (int32_t l = 0; l < o.n_layer && st.ok(); ++l) {
     const std::string b = absl::StrCat("blk.", l, ".");
     st = AddVector(w, rng, b + "attn_norm.weight", d, 1.0, 0.1);
-    if (st.ok()) st = AddVector(w, rng, b + "ffn_norm.weight", d, 1.0, 0.1);
+    if (st.ok()) {
+      st = AddVector(w, rng, b + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"), d, 1.0, 0.1);
+    }
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_q.weight", d, qd, o.type, s_in * 2);
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_k.weight", d, kvd, o.type, s_in * 2);
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_v.weight", d, kvd, o.type, s_in);
@@ -149,6 +160,25 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
       if (st.ok()) st = AddExperts(w, rng, b + "ffn_gate_exps.weight", d, o.n_ff, ne, o.type, s_in);
       if (st.ok()) st = AddExperts(w, rng, b + "ffn_up_exps.weight", d, o.n_ff, ne, o.type, s_in);
       if (st.ok()) st = AddExperts(w, rng, b + "ffn_down_exps.weight", o.n_ff, d, ne, o.type, s_ff);
+      if (st.ok() && gpt_oss) {
+        st = AddVector(w, rng, b + "ffn_gate_inp.bias", ne, 0.0, 0.5);
+        std::vector<float> bias(size_t(o.n_ff) * ne);
+        for (const char* name : {"ffn_gate_exps.bias", "ffn_up_exps.bias"}) {
+          for (float& x : bias) x = static_cast<float>(rng.Normal() * 0.3);
+          if (st.ok()) {
+            st = w.AddTensor(b + name, {o.n_ff, ne}, kernels::DType::kF32,
+                             {reinterpret_cast<const uint8_t*>(bias.data()), bias.size() * 4});
+          }
+        }
+        std::vector<float> down(size_t(d) * ne);
+        for (float& x : down) x = static_cast<float>(rng.Normal() * 0.1);
+        if (st.ok()) {
+          st = w.AddTensor(b + "ffn_down_exps.bias", {d, ne}, kernels::DType::kF32,
+                           {reinterpret_cast<const uint8_t*>(down.data()), down.size() * 4});
+        }
+        if (st.ok()) st = AddVector(w, rng, b + "attn_output.bias", d, 0.0, 0.1);
+        if (st.ok()) st = AddVector(w, rng, b + "attn_sinks.weight", o.n_head, 0.0, 1.0);
+      }
       if (st.ok() && a == "qwen2moe") {
         const int64_t sff = 2 * o.n_ff;
         st = AddVector(w, rng, b + "ffn_gate_inp_shexp.weight", d, 0.0, s_in * 2);

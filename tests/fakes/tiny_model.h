@@ -13,7 +13,8 @@ namespace tandem::testing {
 
 struct TinyModelOptions {
   // llama, qwen2 (biases, neox rope), qwen3 (q/k norms), qwen2moe (experts, a shared expert,
-  // biases), qwen3moe (experts, q/k norms), or mixtral (written as llama with experts).
+  // biases), qwen3moe (experts, q/k norms), mixtral (written as llama with experts), or
+  // gpt-oss (experts with biases, sinks, a sliding window of 6, YaRN over a context of 64).
   std::string arch = "llama";
   int32_t n_embd = 64;
   int32_t n_layer = 2;

@@ -446,6 +446,11 @@ struct Shape {
   // is then the model's nominal FFN width, written as feed_forward_length); Mixtral (llama)
   // by ffn. n_ff_shexp > 0: qwen2moe's shared expert.
   int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff_shexp = 0;
+  // gpt-oss: a sliding window on alternate layers, YaRN (factor, original context), attention
+  // sinks, and biases on attention output, router and experts.
+  int64_t n_swa = 0;
+  double yarn_factor = 0;
+  int64_t yarn_ctx_orig = 0;
 };
 
 const Shape kShapes[] = {
@@ -478,6 +483,13 @@ const Shape kShapes[] = {
      1e-6, false, true, std::nullopt, 0, false, 16, 4, 256, 512},
     {"mixtral-test", "llama", "ggml-vocab-llama-spm.gguf", 256, 4, 8, 2, 512, 4096, 1000000.0,
      1e-5, false, false, std::nullopt, 0, false, 8, 2, 512, 0},
+    // gpt-oss-20b: 32 experts of 2880, 4 per token, a 128-position window on even layers, YaRN
+    // x32 over 4096. Its own o200k vocabulary is not among llama.cpp's vocab files; Llama 3's
+    // 128k BPE vocabulary stands in (the tokenizer is independent of the architecture).
+    {"gpt-oss-20b", "gpt-oss", "ggml-vocab-llama-bpe.gguf", 2880, 24, 64, 8, 2880, 131072,
+     150000.0, 1e-5, false, true, std::nullopt, 64, false, 32, 4, 2880, 0, 128, 32.0, 4096},
+    {"gpt-oss-test", "gpt-oss", "ggml-vocab-llama-bpe.gguf", 256, 4, 8, 2, 256, 131072, 150000.0,
+     1e-5, false, true, std::nullopt, 64, false, 16, 4, 256, 0, 16, 32.0, 4096},
 };
 
 // Scales, chosen so random weights give a numerically tame network (see Synthesize).
@@ -690,6 +702,12 @@ absl::Status Synthesize(const SynthOptions& options) {
   w.SetF32(a + ".rope.freq_base", static_cast<float>(s.rope_base));
   w.SetF32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(s.eps));
   w.SetU32(a + ".vocab_size", static_cast<uint32_t>(n_vocab));
+  if (s.n_swa > 0) w.SetU32(a + ".attention.sliding_window", static_cast<uint32_t>(s.n_swa));
+  if (s.yarn_factor > 0) {
+    w.SetString(a + ".rope.scaling.type", "yarn");
+    w.SetF32(a + ".rope.scaling.factor", static_cast<float>(s.yarn_factor));
+    w.SetU32(a + ".rope.scaling.original_context_length", static_cast<uint32_t>(s.yarn_ctx_orig));
+  }
   if (s.n_expert > 0) {
     w.SetU32(a + ".expert_count", static_cast<uint32_t>(s.n_expert));
     w.SetU32(a + ".expert_used_count", static_cast<uint32_t>(s.n_expert_used));
@@ -711,8 +729,11 @@ absl::Status Synthesize(const SynthOptions& options) {
   // stays F32 whatever the type, as llama.cpp's converter and quantizer keep it.
   auto add_matrix = [&](std::string name, int64_t row_len, int64_t rows, float std,
                         int64_t n_stack = 1, bool keep_f32 = false) -> absl::Status {
-    const DType type = keep_f32 ? DType::kF32 : MatrixType(options.type, row_len);
-    if (type != options.type && !keep_f32) f16_fallback.push_back(name);
+    // MXFP4 as llama.cpp's MXFP4_MOE file type lays it out: experts MXFP4, other matrices Q8_0.
+    const DType wanted =
+        options.type == DType::kMXFP4 && s.n_expert > 0 && n_stack == 1 ? DType::kQ8_0 : options.type;
+    const DType type = keep_f32 ? DType::kF32 : MatrixType(wanted, row_len);
+    if (type != wanted && !keep_f32) f16_fallback.push_back(name);
     auto spec = std::make_unique<SynthMatrix>(SynthMatrix{Fnv1a(name), row_len, type, std});
     const SynthMatrix* m = spec.get();
     specs.push_back(std::move(spec));
@@ -764,7 +785,13 @@ absl::Status Synthesize(const SynthOptions& options) {
       TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_q_norm.weight", head_dim, 1.0f, kNormJitter));
       TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_k_norm.weight", head_dim, 1.0f, kNormJitter));
     }
-    TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_norm.weight", s.dim, 1.0f, kNormJitter));
+    const bool gpt_oss = a == "gpt-oss";
+    TANDEM_RETURN_IF_ERROR(add_vector(p + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"),
+                                      s.dim, 1.0f, kNormJitter));
+    if (gpt_oss) {
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_output.bias", s.dim, 0.0f, kBiasStd));
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_sinks.weight", s.n_heads, 0.0f, 1.0f));
+    }
     if (s.n_expert == 0) {
       TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_gate.weight", s.dim, s.ffn, in_std));
       TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up.weight", s.dim, s.ffn, in_std));
@@ -780,6 +807,14 @@ absl::Status Synthesize(const SynthOptions& options) {
     TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_up_exps.weight", s.dim, ff, in_std, ne));
     TANDEM_RETURN_IF_ERROR(add_matrix(p + "ffn_down_exps.weight", ff, s.dim,
                                       down_gain / std::sqrt(static_cast<float>(ff)), ne));
+    if (gpt_oss) {
+      TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_gate_inp.bias", ne, 0.0f, kBiasStd));
+      for (const char* name : {"ffn_gate_exps.bias", "ffn_up_exps.bias"}) {
+        TANDEM_RETURN_IF_ERROR(AddF32(w, p + name, {ff, ne}, vector_of(p + name, ff * ne, 0.0f, kBiasStd)));
+      }
+      TANDEM_RETURN_IF_ERROR(AddF32(w, p + "ffn_down_exps.bias", {s.dim, ne},
+                                    vector_of(p + "ffn_down_exps.bias", s.dim * ne, 0.0f, kBiasStd)));
+    }
     if (s.n_ff_shexp > 0) {
       const int64_t sff = s.n_ff_shexp;
       TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_gate_inp_shexp.weight", s.dim, 0.0f, in_std));
@@ -818,6 +853,9 @@ absl::Status QuantizeModel(const std::string& in_path, const std::string& out_pa
 
   util::ThreadPool pool(DefaultThreads());
   std::vector<std::string> f16_fallback;
+  // MXFP4 on an MoE file is llama.cpp's MXFP4_MOE: experts MXFP4, other matrices Q8_0.
+  bool moe = false;
+  for (const gguf::TensorInfo& t : in->tensors()) moe = moe || t.dims.size() == 3;
   for (const gguf::TensorInfo& t : in->tensors()) {
     const uint64_t src_row_bytes = kernels::RowBytes(t.type, t.dims[0]);
     // Matrices and stacks of expert matrices; the MoE router keeps its type (llama.cpp's
@@ -825,8 +863,9 @@ absl::Status QuantizeModel(const std::string& in_path, const std::string& out_pa
     const bool is_matrix = (t.dims.size() == 2 || t.dims.size() == 3) &&
                            std::string_view(t.name).ends_with(".weight") &&
                            !std::string_view(t.name).ends_with("ffn_gate_inp.weight");
-    const DType dst = is_matrix ? MatrixType(type, t.dims[0]) : t.type;
-    if (is_matrix && dst != type) f16_fallback.emplace_back(t.name);
+    const DType wanted = type == DType::kMXFP4 && moe && t.dims.size() == 2 ? DType::kQ8_0 : type;
+    const DType dst = is_matrix ? MatrixType(wanted, t.dims[0]) : t.type;
+    if (is_matrix && dst != wanted) f16_fallback.emplace_back(t.name);
     if (dst == t.type) {
       TANDEM_RETURN_IF_ERROR(
           AddBorrowed(w, std::string(t.name), t.dims, t.type, t.data, src_row_bytes));

@@ -645,10 +645,15 @@ absl::StatusOr<std::unique_ptr<DeviceForward>> CreateCudaForward(std::shared_ptr
                                                                  const EngineOptions& o,
                                                                  uint64_t kv_bytes) {
   const ModelConfig& c = model->config();
-  if (c.is_moe() || c.qk_norm) {
-    return absl::UnimplementedError(absl::StrCat(
-        "device cuda: the CUDA engine does not run ", c.arch_name,
-        " models yet (", c.is_moe() ? "experts" : "per-head q/k norms", "); use device cpu"));
+  const char* missing = c.is_moe()                 ? "experts"
+                        : c.qk_norm                  ? "per-head q/k norms"
+                        : c.rope_ext_factor != 0.0f  ? "YaRN rope scaling"
+                        : c.n_swa > 0 || c.attn_sinks ? "sliding windows and attention sinks"
+                                                     : nullptr;
+  if (missing != nullptr) {
+    return absl::UnimplementedError(absl::StrCat("device cuda: the CUDA engine does not run ",
+                                                 c.arch_name, " models yet (", missing,
+                                                 "); use device cpu"));
   }
   TANDEM_RETURN_IF_ERROR(CudaDeviceAvailable());
   TANDEM_ASSIGN_OR_RETURN(const cu::DeviceInfo dev, cu::CurrentDevice());

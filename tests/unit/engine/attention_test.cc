@@ -3,6 +3,7 @@
 // point against one call per sequence.
 #include "tandem/kernels/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -103,6 +104,65 @@ TEST(PagedAttentionTest, MatchesReferenceOnEveryIsa) {
             << IsaName(isa) << " heads=" << c.n_head << "/" << c.n_kv_head
             << " dim=" << c.head_dim << " ctx=" << c.ctx << " pool=" << (tp != nullptr);
       }
+    }
+  }
+}
+
+// gpt-oss's sliding window and attention sinks, against their definition written here in
+// double (not the library's reference): query i attends to positions (q_pos - window, q_pos],
+// and head h's softmax has one extra logit sinks[h] with no value.
+TEST(PagedAttentionTest, SlidingWindowAndSinksFollowTheirDefinition) {
+  std::mt19937 rng(17);
+  const Case c{8, 2, 32, 16, 70, 6, DType::kF32};
+  Problem pr(c, rng);
+  std::vector<float> sinks(c.n_head);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (float& x : sinks) x = nd(rng);
+  util::ThreadPool pool(2);
+  for (int32_t window : {0, 1, 20, 500}) {
+    for (bool with_sinks : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "window " << window << " sinks " << with_sinks);
+      PagedAttentionParams p = pr.p;
+      p.window = window;
+      p.sinks = with_sinks ? sinks.data() : nullptr;
+      std::vector<float> want(pr.out_size());
+      const int group = c.n_head / c.n_kv_head;
+      for (int qi = 0; qi < c.n_q; ++qi) {
+        const int pos = pr.pos[qi];
+        const int first = window > 0 ? std::max(0, pos + 1 - window) : 0;
+        for (int h = 0; h < c.n_head; ++h) {
+          auto row = [&](const std::vector<float>& cache, int t) {
+            const int block = pr.table[t / c.block_size];
+            return cache.data() +
+                   ((size_t(block) * c.block_size + t % c.block_size) * c.n_kv_head + h / group) *
+                       c.head_dim;
+          };
+          std::vector<double> e(pos + 1, 0.0);
+          double mx = with_sinks ? sinks[h] : -INFINITY;
+          for (int t = first; t <= pos; ++t) {
+            double dot = 0;
+            for (int i = 0; i < c.head_dim; ++i) {
+              dot += double(pr.q[size_t(qi) * p.q_stride + h * c.head_dim + i]) * row(pr.kf, t)[i];
+            }
+            e[t] = dot * p.scale;
+            mx = std::max(mx, e[t]);
+          }
+          double sum = with_sinks ? std::exp(sinks[h] - mx) : 0.0;
+          for (int t = first; t <= pos; ++t) sum += (e[t] = std::exp(e[t] - mx));
+          for (int i = 0; i < c.head_dim; ++i) {
+            double acc = 0;
+            for (int t = first; t <= pos; ++t) acc += e[t] / sum * row(pr.vf, t)[i];
+            want[size_t(qi) * p.out_stride + h * c.head_dim + i] = float(acc);
+          }
+        }
+      }
+      std::vector<float> got(pr.out_size(), NAN), ref(pr.out_size(), NAN);
+      p.out = got.data();
+      PagedAttention(p, &pool);
+      p.out = ref.data();
+      PagedAttentionReference(p);
+      EXPECT_LT(MaxAbsDiff(got, want), 2e-5);
+      EXPECT_LT(MaxAbsDiff(ref, want), 1e-6);
     }
   }
 }

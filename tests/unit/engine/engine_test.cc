@@ -122,7 +122,7 @@ TEST_P(EngineArchTest, TokenByTokenAndChunkedMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Archs, EngineArchTest,
                          ::testing::Values("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
-                                           "mixtral"));
+                                           "mixtral", "gpt-oss"));
 
 // Device::kCuda fails at Create, with a message saying why, wherever it cannot run: a build
 // without CUDA, or no visible device (with one, cuda_engine_test covers the device path).

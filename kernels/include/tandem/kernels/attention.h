@@ -12,6 +12,10 @@
 // KvQuantSlotBytes bytes, codes then one f32 scale per kv head) are dequantised row by row as
 // they are read (codes times their scale, in f32, the same values on every path) and then
 // follow the same numerics, on the AVX-512 path as well.
+// gpt-oss's extras: with `window` > 0 query i attends only to the last `window` positions
+// (q_pos[i] - window, q_pos[i]]; with `sinks` each head's softmax has one more logit,
+// sinks[h], that takes probability but carries no value (llama.cpp's soft_max_ext sinks).
+// Either one runs on the scalar path.
 // Threading: (query row, KV head) items are shared out over the pool dynamically (nullptr:
 // inline). Caller owns buffers.
 #pragma once
@@ -43,6 +47,8 @@ struct PagedAttentionParams {
   const int32_t* block_table = nullptr;
   float* out = nullptr;  // [n_q][n_head * head_dim], rows out_stride floats apart
   int64_t out_stride = 0;
+  int32_t window = 0;             // sliding window in positions; 0: the whole causal prefix
+  const float* sinks = nullptr;   // n_head logits, or null
 };
 
 void PagedAttention(const PagedAttentionParams& p, util::ThreadPool* pool);
