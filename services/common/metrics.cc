@@ -206,6 +206,23 @@ Metrics::Metrics()
                         "Model bandwidth utilisation of one engine step.", r);
   step_mfu_ = &Register(BuildHistogram(), "step_flops_utilization",
                         "Model FLOPs utilisation of one engine step.", r);
+  expert_tokens_ = &Register(BuildCounter(), "expert_tokens_total",
+                             "Tokens the engine routed to each expert of each MoE layer.", r);
+}
+
+std::vector<prometheus::Counter*>& UtilizationMetrics::ExpertTokens(int32_t n_layer,
+                                                                    int32_t n_expert) {
+  if (expert_tokens.empty() && expert_family != nullptr) {
+    for (int32_t l = 0; l < n_layer; ++l) {
+      for (int32_t e = 0; e < n_expert; ++e) {
+        prometheus::Labels series = labels;
+        series["layer"] = std::to_string(l);
+        series["expert"] = std::to_string(e);
+        expert_tokens.push_back(&expert_family->Add(series));
+      }
+    }
+  }
+  return expert_tokens;
 }
 
 Metrics::~Metrics() = default;
@@ -273,7 +290,8 @@ UtilizationMetrics& Metrics::Utilization(const std::string& model_name, const st
   const std::vector<double> seconds = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                        0.25, 0.5, 1, 2.5, 5, 10};
   m.reset(new UtilizationMetrics{mbu_->Add(l), mfu_->Add(l), step_seconds_->Add(l, seconds),
-                                 step_mbu_->Add(l, fractions), step_mfu_->Add(l, fractions)});
+                                 step_mbu_->Add(l, fractions), step_mfu_->Add(l, fractions),
+                                 expert_tokens_, l});
   return *m;
 }
 

@@ -1,10 +1,7 @@
 // Prometheus metrics every tandem service shares: one registry holding the families DESIGN.md
-// fixes (names prefixed `tandem:`, every series labelled model_name and role), per-(model, role)
+// fixes (names prefixed `tandem_`, every series labelled model_name and role), per-(model, role)
 // handles the services record into, and an HTTP exposer that serves the registry on /metrics.
 //
-// Names: Prometheus allows ':' in metric names and prometheus-cpp's name check accepts
-// [a-zA-Z_:][a-zA-Z0-9_:]*, so the contract's names are used as written. (Colons are meant for
-// recording rules, so promtool's linter reports each such name; tests accept that one lint.)
 // A family appears in the exposition only once it has a series: Metrics() registers every
 // family, ServingMetrics() creates the request-path series at zero, the KV store creates its
 // per-tier series. So a worker shows the serving families and a KV store its tier families.
@@ -130,13 +127,21 @@ struct SpecMetrics {
 // Engine utilisation of one (model, role), from its steps (services/common/step_report.h):
 // model_bandwidth_utilization and model_flops_utilization (gauges, recent steps) and one
 // observation per engine step in engine_step_seconds, step_bandwidth_utilization and
-// step_flops_utilization (histograms).
+// step_flops_utilization (histograms). Of an MoE model also expert_tokens_total{layer, expert},
+// the tokens routed to each expert: the load that expert placement balances.
 struct UtilizationMetrics {
   prometheus::Gauge& mbu;
   prometheus::Gauge& mfu;
   prometheus::Histogram& step_seconds;
   prometheus::Histogram& step_mbu;
   prometheus::Histogram& step_mfu;
+  // The expert_tokens_total series of (layer, expert), [layer * n_expert + expert], created by
+  // the first call (later calls return the same series); from the stepping thread only.
+  std::vector<prometheus::Counter*>& ExpertTokens(int32_t n_layer, int32_t n_expert);
+
+  prometheus::Family<prometheus::Counter>* expert_family = nullptr;
+  prometheus::Labels labels;
+  std::vector<prometheus::Counter*> expert_tokens;
 };
 
 class Metrics {
@@ -216,6 +221,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* step_seconds_;
   prometheus::Family<prometheus::Histogram>* step_mbu_;
   prometheus::Family<prometheus::Histogram>* step_mfu_;
+  prometheus::Family<prometheus::Counter>* expert_tokens_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<UtilizationMetrics>> util_
       ABSL_GUARDED_BY(mu_);
 

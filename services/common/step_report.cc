@@ -70,6 +70,16 @@ void StepReporter::Update(const engine::Engine& e,
     metrics_->step_seconds.Observe(s.seconds);
     metrics_->step_mbu.Observe(step_mbu);
     metrics_->step_mfu.Observe(step_mfu);
+    const engine::ModelConfig& mc = e.model().config();
+    const std::vector<int64_t>& routed = e.expert_tokens();
+    if (mc.is_moe() && !routed.empty()) {
+      std::vector<prometheus::Counter*>& series = metrics_->ExpertTokens(mc.n_layer, mc.n_expert);
+      expert_seen_.resize(routed.size(), 0);
+      for (size_t i = 0; i < routed.size() && i < series.size(); ++i) {
+        if (routed[i] > expert_seen_[i]) series[i]->Increment(double(routed[i] - expert_seen_[i]));
+        expert_seen_[i] = routed[i];
+      }
+    }
   }
 }
 

@@ -51,6 +51,7 @@ class StepReporter {
   engine::DevicePeaks peaks_ ABSL_GUARDED_BY(mu_);
   const std::string device_;
   UtilizationMetrics* const metrics_;
+  std::vector<int64_t> expert_seen_;  // the engine's expert_tokens() at the last Update
   trace::Tracer* const tracer_;
   int64_t seen_ = 0;  // engine thread only
   mutable absl::Mutex mu_;
