@@ -93,6 +93,8 @@ struct ActRow {
 // Q8_0 block: 8 chunks of 64 bytes; chunk k holds values 4k..4k+3 of row m at 4m, each plus
 // 128 as uint8. Q4_0 block: 4 chunks of 64 bytes; chunk c holds bytes qs[4c..4c+3] of row m at
 // 4m, so its low nibbles are values 4c.., its high nibbles values 4c+16.. (each value plus 8).
+// MXFP4 block: the codes laid out as Q4_0's nibbles (the kernel maps each code to its doubled
+// E2M1 value plus 12), and in the scales slot row m's E8M0 byte at byte m (not fp16).
 // Rows past the matrix's last are zero with zero scales.
 inline constexpr int kPackRows = 16;
 inline constexpr int kPackQ8_0ValueBytes = 512;

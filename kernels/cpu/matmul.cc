@@ -370,28 +370,35 @@ struct PackGeometry {
 PackGeometry GeometryOf(DType t, int64_t cols) {
   PackGeometry g;
   g.nblk = cols / 32;
-  g.value_bytes = t == DType::kQ8_0 ? kPackQ8_0ValueBytes : kPackQ4_0ValueBytes;
+  g.value_bytes = t == DType::kQ8_0 ? kPackQ8_0ValueBytes : kPackQ4_0ValueBytes;  // Q4_0, MXFP4
   g.group_bytes = (g.nblk + 1) / 2 * internal::PackedPairBytes(g.value_bytes);
   return g;
 }
 
-// Value j (0..31) of row m in block b of a packed group, without its offset.
-template <bool kQ4>
-int PackedValue(const uint8_t* block, int m, int j) {
-  if constexpr (kQ4) {
-    const uint8_t byte = block[64 * ((j % 16) / 4) + 4 * m + j % 4];
-    return (j < 16 ? byte & 0xf : byte >> 4) - 8;
-  } else {
-    return static_cast<int>(block[64 * (j / 4) + 4 * m + j % 4]) - 128;
-  }
+// Value j (0..31) of row m in block b of a packed group of type t, without its offset (MXFP4:
+// the doubled E2M1 value of its code).
+int PackedValue(DType t, const uint8_t* block, int m, int j) {
+  if (t == DType::kQ8_0) return static_cast<int>(block[64 * (j / 4) + 4 * m + j % 4]) - 128;
+  const uint8_t byte = block[64 * ((j % 16) / 4) + 4 * m + j % 4];
+  const int nibble = j < 16 ? byte & 0xf : byte >> 4;
+  return t == DType::kMXFP4 ? internal::kMxfp4Values[nibble] : nibble - 8;
+}
+
+// Row m's scale of block i: fp16 (Q8_0, Q4_0), or E8M0 as 2^(e-128) (MXFP4, values doubled).
+float PackedScale(DType t, const uint8_t* group, int64_t value_bytes, int64_t i, int m) {
+  const uint8_t* scales = group + internal::PackedScalesAt(value_bytes, i);
+  if (t == DType::kMXFP4) return std::ldexp(1.0f, static_cast<int>(scales[m]) - 128);
+  uint16_t h;
+  std::memcpy(&h, scales + 2 * m, 2);
+  return Fp16ToF32(h);
 }
 
 // The definition of the packed kernels' numerics (the SIMD kernel gives the same bits): per
 // row, acc = fma(integer dot, weight scale * activation scale, acc) block after block.
-template <bool kQ4>
+template <DType kType>
 void PackedScalar(const uint8_t* group, int64_t nblk, const ActRow* act, int nb, float* out,
                   int64_t os, int valid_rows) {
-  const int64_t vb = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
+  const int64_t vb = kType == DType::kQ8_0 ? kPackQ8_0ValueBytes : kPackQ4_0ValueBytes;
   for (int b = 0; b < nb; ++b) {
     const auto* a = static_cast<const int8_t*>(act[b].values);
     for (int m = 0; m < valid_rows; ++m) {
@@ -399,9 +406,8 @@ void PackedScalar(const uint8_t* group, int64_t nblk, const ActRow* act, int nb,
       for (int64_t i = 0; i < nblk; ++i) {
         int isum = 0;
         const uint8_t* block = group + internal::PackedValuesAt(vb, i);
-        const auto* scales = reinterpret_cast<const uint16_t*>(group + internal::PackedScalesAt(vb, i));
-        for (int j = 0; j < 32; ++j) isum += PackedValue<kQ4>(block, m, j) * a[32 * i + j];
-        const float scale = Fp16ToF32(scales[m]) * act[b].scales[i];
+        for (int j = 0; j < 32; ++j) isum += PackedValue(kType, block, m, j) * a[32 * i + j];
+        const float scale = PackedScale(kType, group, vb, i, m) * act[b].scales[i];
         acc = std::fma(static_cast<float>(isum), scale, acc);
       }
       out[b * os + m] = acc;
@@ -420,7 +426,10 @@ ActLayout PackedLayout(int64_t n) {
 
 void ConvertActivationPacked(DType weight_type, const float* x, int64_t n, uint8_t* dst,
                              const ActLayout& l, ActRow* row) {
-  const int32_t weight_offset = weight_type == DType::kQ8_0 ? 128 : 8;
+  // The unsigned offset the packed values carry: Q8_0 +128, Q4_0 +8, MXFP4 +12 (its doubled
+  // E2M1 values run from -12 to 12).
+  const int32_t weight_offset =
+      weight_type == DType::kQ8_0 ? 128 : weight_type == DType::kMXFP4 ? 12 : 8;
   auto* q = reinterpret_cast<int8_t*>(dst);
   auto* s = reinterpret_cast<float*>(dst + l.values);
   auto* o = reinterpret_cast<int32_t*>(dst + l.values + l.scales);
@@ -526,7 +535,8 @@ TileFn SelectGemm(DType t) {
 
 bool HasPackedKernel(DType t) {
 #if TANDEM_KERNELS_X86
-  return (t == DType::kQ8_0 || t == DType::kQ4_0) && ActiveIsa() >= Isa::kAvx512;
+  return (t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kMXFP4) &&
+         ActiveIsa() >= Isa::kAvx512;
 #else
   (void)t;
   return false;
@@ -536,15 +546,20 @@ bool HasPackedKernel(DType t) {
 // The packed kernel of the active ISA; the scalar one when weights packed earlier meet a lower
 // ISA cap (tests).
 PackedFn SelectPacked(DType t) {
-  if (t != DType::kQ8_0 && t != DType::kQ4_0) Fail("packed weights of an unpackable type");
+  if (t != DType::kQ8_0 && t != DType::kQ4_0 && t != DType::kMXFP4) {
+    Fail("packed weights of an unpackable type");
+  }
 #if TANDEM_KERNELS_X86
   if (ActiveIsa() >= Isa::kAvx512) {
     static const PackedFn q8_0 = internal::avx512::GetPackedKernel(DType::kQ8_0);
     static const PackedFn q4_0 = internal::avx512::GetPackedKernel(DType::kQ4_0);
-    return t == DType::kQ8_0 ? q8_0 : q4_0;
+    static const PackedFn mxfp4 = internal::avx512::GetPackedKernel(DType::kMXFP4);
+    return t == DType::kQ8_0 ? q8_0 : t == DType::kQ4_0 ? q4_0 : mxfp4;
   }
 #endif
-  return t == DType::kQ8_0 ? PackedScalar<false> : PackedScalar<true>;
+  return t == DType::kQ8_0   ? PackedScalar<DType::kQ8_0>
+         : t == DType::kQ4_0 ? PackedScalar<DType::kQ4_0>
+                             : PackedScalar<DType::kMXFP4>;
 }
 
 // Converted activations of one call. Lives on the calling thread and is reused between calls,
@@ -846,25 +861,25 @@ size_t PackedWeightBytes(DType weight_type, int64_t rows, int64_t cols) {
 }
 
 void GetPackedRow(DType weight_type, const void* packed, int64_t cols, int64_t r, float* out) {
-  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0) Fail("unpackable type");
+  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0 && weight_type != DType::kMXFP4) {
+    Fail("unpackable type");
+  }
   const PackGeometry geo = GeometryOf(weight_type, cols);
   const auto* group = static_cast<const uint8_t*>(packed) + (r / kPackRows) * geo.group_bytes;
   const int m = static_cast<int>(r % kPackRows);
-  const bool q4 = weight_type == DType::kQ4_0;
   for (int64_t i = 0; i < geo.nblk; ++i) {
-    const auto* scales =
-        reinterpret_cast<const uint16_t*>(group + internal::PackedScalesAt(geo.value_bytes, i));
-    const float d = Fp16ToF32(scales[m]);
+    const float d = PackedScale(weight_type, group, geo.value_bytes, i, m);
     const uint8_t* block = group + internal::PackedValuesAt(geo.value_bytes, i);
     for (int j = 0; j < 32; ++j) {
-      const int v = q4 ? PackedValue<true>(block, m, j) : PackedValue<false>(block, m, j);
-      out[32 * i + j] = d * static_cast<float>(v);
+      out[32 * i + j] = d * static_cast<float>(PackedValue(weight_type, block, m, j));
     }
   }
 }
 
 void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols, void* dst) {
-  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0) Fail("unpackable type");
+  if (weight_type != DType::kQ8_0 && weight_type != DType::kQ4_0 && weight_type != DType::kMXFP4) {
+    Fail("unpackable type");
+  }
   if (src == nullptr || dst == nullptr || rows <= 0 || cols <= 0 || cols % 32 != 0)
     Fail("bad packing shape");
   if (reinterpret_cast<uintptr_t>(dst) % 64 != 0) Fail("packed weights must be 64-byte aligned");
@@ -881,7 +896,13 @@ void PackWeights(DType weight_type, const void* src, int64_t rows, int64_t cols,
       for (int64_t i = 0; i < geo.nblk; ++i) {
         uint8_t* block = group + internal::PackedValuesAt(geo.value_bytes, i) + 4 * m;
         auto* scales = reinterpret_cast<uint16_t*>(group + internal::PackedScalesAt(geo.value_bytes, i));
-        if (q4) {
+        if (weight_type == DType::kMXFP4) {
+          // The codes as Q4_0's nibbles are laid out; the E8M0 byte in the first half of the
+          // scales slot (row m at byte m).
+          const auto& x = reinterpret_cast<const BlockMxfp4*>(row)[i];
+          reinterpret_cast<uint8_t*>(scales)[m] = x.e;
+          for (int c = 0; c < 4; ++c) std::memcpy(block + 64 * c, x.qs + 4 * c, 4);
+        } else if (q4) {
           const auto& x = reinterpret_cast<const BlockQ4_0*>(row)[i];
           scales[m] = x.d;
           for (int c = 0; c < 4; ++c) std::memcpy(block + 64 * c, x.qs + 4 * c, 4);

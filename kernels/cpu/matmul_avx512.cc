@@ -504,11 +504,28 @@ void GemmBlock32Dispatch(const uint8_t* w, size_t ws, int64_t nrows, const ActRo
 // 16.7 GB/s on one thread and from 25 to 27 GB/s on two (docs/perf/engine-cpu.md, "Decode,
 // runs 4-8").
 
-template <bool kQ4, int NB>
+// What a packed group holds: Q8_0 bytes, or nibbles that are Q4_0 values or MXFP4 codes.
+enum class PackKind { kQ8_0, kQ4_0, kMxfp4 };
+
+// Sixteen 2^(e-128) floats from the E8M0 bytes of the 16 rows (Decode2Mxfp4::Scales4's trick,
+// sixteen lanes wide): exponent field e-1 when that is normal, else the subnormal 2^21 << e.
+inline __m512 E8m0HalfScales16(const uint8_t* e8) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e8)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal));
+}
+
+template <PackKind kKind, int NB>
 void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float* out, int64_t os,
                    int valid_rows) {
+  constexpr bool kQ4 = kKind != PackKind::kQ8_0;
   constexpr int64_t kValueBytes = kQ4 ? kPackQ4_0ValueBytes : kPackQ8_0ValueBytes;
   const __m512i m4 = _mm512_set1_epi8(0x0f);
+  // MXFP4 codes to their doubled E2M1 values plus 12, so VPDPBUSD sees unsigned weights.
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11,
+                                                           10, 9, 8, 6, 4, 0));
   __m512 acc[NB];
   for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nblk; ++i) {
@@ -526,6 +543,10 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
         const __m512i x = _mm512_load_si512(v + 64 * c);
         w[c] = _mm512_and_si512(x, m4);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+        if constexpr (kKind == PackKind::kMxfp4) {
+          w[c] = _mm512_shuffle_epi8(lut, w[c]);
+          w[c + 4] = _mm512_shuffle_epi8(lut, w[c + 4]);
+        }
       }
     } else {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_load_si512(v + 64 * c);
@@ -549,8 +570,13 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
         sum[c % kChains][b] = _mm512_dpbusd_epi32(sum[c % kChains][b], w[c], a4);
       }
     }
-    const __m512 dw = _mm512_cvtph_ps(
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(group + PackedScalesAt(kValueBytes, i))));
+    __m512 dw;
+    if constexpr (kKind == PackKind::kMxfp4) {
+      dw = E8m0HalfScales16(group + PackedScalesAt(kValueBytes, i));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_load_si256(
+          reinterpret_cast<const __m256i*>(group + PackedScalesAt(kValueBytes, i))));
+    }
 #pragma GCC unroll 16
     for (int b = 0; b < NB; ++b) {
       __m512i total = sum[0][b];
@@ -564,17 +590,17 @@ void PackedTile512(const uint8_t* group, int64_t nblk, const ActRow* act, float*
   for (int b = 0; b < NB; ++b) _mm512_mask_storeu_ps(out + b * os, keep, acc[b]);
 }
 
-template <bool kQ4, size_t... kNb>
+template <PackKind kKind, size_t... kNb>
 constexpr auto PackedTable(std::index_sequence<kNb...>) {
   using Fn = void (*)(const uint8_t*, int64_t, const ActRow*, float*, int64_t, int);
-  return std::array<Fn, sizeof...(kNb)>{PackedTile512<kQ4, static_cast<int>(kNb) + 1>...};
+  return std::array<Fn, sizeof...(kNb)>{PackedTile512<kKind, static_cast<int>(kNb) + 1>...};
 }
 
 // NB = 1..kPackTile chosen at run time.
-template <bool kQ4>
+template <PackKind kKind>
 void PackedDispatch512(const uint8_t* group, int64_t nblk, const ActRow* act, int nb, float* out,
                        int64_t os, int valid_rows) {
-  static constexpr auto kTable = PackedTable<kQ4>(std::make_index_sequence<kPackTile>());
+  static constexpr auto kTable = PackedTable<kKind>(std::make_index_sequence<kPackTile>());
   kTable[nb - 1](group, nblk, act, out, os, valid_rows);
 }
 
@@ -650,9 +676,11 @@ void QuantizeQ8_0Blocks(const float* x, int64_t nblk, int8_t* q, float* scales, 
 PackedFn GetPackedKernel(DType weight_type) {
   switch (weight_type) {
     case DType::kQ8_0:
-      return PackedDispatch512<false>;
+      return PackedDispatch512<PackKind::kQ8_0>;
     case DType::kQ4_0:
-      return PackedDispatch512<true>;
+      return PackedDispatch512<PackKind::kQ4_0>;
+    case DType::kMXFP4:
+      return PackedDispatch512<PackKind::kMxfp4>;
     default:
       return nullptr;
   }

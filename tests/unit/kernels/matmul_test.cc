@@ -402,10 +402,11 @@ TEST_P(PackedMatmulTest, SimdScalarThreadsAndFusionGiveTheSameBits) {
   }
 }
 
-TEST(PackedMatmulSupportTest, OnlyQ8_0AndQ4_0OnAvx512Pack) {
+TEST(PackedMatmulSupportTest, OnlyQ8_0Q4_0AndMxfp4OnAvx512Pack) {
   for (DType t : kWeightTypes) {
     ScopedIsaCap cap(DetectedIsa());
-    const bool expect = (t == DType::kQ8_0 || t == DType::kQ4_0) && DetectedIsa() >= Isa::kAvx512;
+    const bool expect = (t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kMXFP4) &&
+                        DetectedIsa() >= Isa::kAvx512;
     EXPECT_EQ(PackedWeightBytes(t, 40, 256) > 0, expect) << Traits(t).name;
   }
   ScopedIsaCap cap(Isa::kAvx2);
@@ -417,11 +418,12 @@ TEST(PackedMatmulSupportTest, OnlyQ8_0AndQ4_0OnAvx512Pack) {
     // Q4_0 2 * (2 * 256 + 64) = 1152.
     EXPECT_EQ(PackedWeightBytes(DType::kQ8_0, 40, 96), 3u * 2176);
     EXPECT_EQ(PackedWeightBytes(DType::kQ4_0, 40, 96), 3u * 1152);
+    EXPECT_EQ(PackedWeightBytes(DType::kMXFP4, 40, 96), 3u * 1152);  // Q4_0's layout
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(PackableTypes, PackedMatmulTest,
-                         ::testing::Values(DType::kQ8_0, DType::kQ4_0),
+                         ::testing::Values(DType::kQ8_0, DType::kQ4_0, DType::kMXFP4),
                          [](const ::testing::TestParamInfo<DType>& info) {
                            return std::string(Traits(info.param).name);
                          });
@@ -463,6 +465,25 @@ TEST(MatmulMxfp4Test, SubnormalSharedExponentsMatchScalarPath) {
     for (int64_t r = 0; r < rows; ++r)
       ASSERT_NEAR(out[r], scalar[r], 1e-5 * std::fabs(scalar[r])) << IsaName(isa) << " " << r;
   }
+  // Packed, the subnormal scales take the packed kernel's own E8M0 decoding.
+  const size_t n = PackedWeightBytes(DType::kMXFP4, rows, cols);
+  if (n == 0) return;
+  AlignedBytes packed(n);
+  PackWeights(DType::kMXFP4, w.data(), rows, cols, packed.data);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> got(cols), want(cols);
+    GetPackedRow(DType::kMXFP4, packed.data, cols, r, got.data());
+    GetRow(DType::kMXFP4, w.data(), cols, r, want.data());
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), cols * 4)) << "row " << r;
+  }
+  std::vector<float> out(rows);
+  Poison(out);
+  p.weight = packed.data;
+  p.packed = true;
+  p.output = out.data();
+  Matmul(p, nullptr);
+  for (int64_t r = 0; r < rows; ++r)
+    ASSERT_NEAR(out[r], scalar[r], 1e-5 * std::fabs(scalar[r])) << "packed " << r;
 }
 
 TEST(MatmulVecDotTest, ActivationTypesFollowLlamaCpp) {

@@ -59,7 +59,7 @@ void MatmulMulti(DType weight_type, int64_t cols, const float* input, int64_t in
 
 // Weights rearranged once, at model load, for this CPU's fastest Matmul kernel: rows in groups
 // of 16 with their blocks interleaved (the layout is private to the kernels), the same bytes per
-// row plus padding of the last group. Today Q8_0 and Q4_0 on AVX-512 VNNI CPUs; elsewhere
+// row plus padding of the last group. Today Q8_0, Q4_0 and MXFP4 on AVX-512 VNNI CPUs; elsewhere
 // PackedWeightBytes is 0 and the GGUF rows are used as they are. A Matmul over packed weights
 // computes each output as sum over blocks of (weight scale * activation scale) * integer dot,
 // accumulated in block order: the scalar numerics of the row-major kernels.
