@@ -20,11 +20,12 @@ std::shared_ptr<const engine::Model> LoadTestModel(const std::string& which) {
   auto it = cache->find(which);
   if (it != cache->end()) return it->second;
   std::shared_ptr<const engine::Model> m;
-  if (which == "tiny") {
+  if (which == "tiny" || which.starts_with("tiny-")) {
     const std::string path = (std::filesystem::temp_directory_path() /
-                              ("tandem-svc-" + std::to_string(getpid()) + ".gguf"))
+                              ("tandem-svc-" + which + "-" + std::to_string(getpid()) + ".gguf"))
                                  .string();
     TinyModelOptions o;
+    if (which != "tiny") o.arch = which.substr(5);  // tiny-qwen3moe, tiny-gpt-oss, ...
     EXPECT_TRUE(WriteTinyModel(o, path).ok());
     auto loaded = engine::Model::Load(path);
     EXPECT_TRUE(loaded.ok()) << loaded.status();

@@ -19,7 +19,8 @@
 
 namespace tandem::testing {
 
-// "tiny" (written by WriteTinyModel) or "stories260K" (null when ../shared/models is absent).
+// "tiny" (written by WriteTinyModel), "tiny-ARCH" (its ARCH variant: tiny-qwen3moe,
+// tiny-gpt-oss, ...) or "stories260K" (null when ../shared/models is absent).
 std::shared_ptr<const engine::Model> LoadTestModel(const std::string& which);
 
 engine::EngineOptions TestEngineOptions(int max_batch_tokens, kernels::DType kv_type);

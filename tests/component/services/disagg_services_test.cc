@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <thread>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/transfer/inproc/inproc_transport.h"
@@ -259,9 +261,14 @@ TEST_P(HandoffTest, DamagedDraftKvIsRecomputedNotUsed) {
 INSTANTIATE_TEST_SUITE_P(Models, HandoffTest,
                          ::testing::Values(HandoffParam{"tiny", kernels::DType::kF32},
                                            HandoffParam{"tiny", kernels::DType::kF16},
-                                           HandoffParam{"stories260K", kernels::DType::kF32}),
+                                           HandoffParam{"stories260K", kernels::DType::kF32},
+                                           // MoE: experts, and gpt-oss's window and sinks.
+                                           HandoffParam{"tiny-qwen3moe", kernels::DType::kF32},
+                                           HandoffParam{"tiny-gpt-oss", kernels::DType::kF16}),
                          [](const auto& info) {
-                           return info.param.model +
+                           std::string name = info.param.model;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name +
                                   (info.param.kv_type == kernels::DType::kF16 ? "_f16" : "_f32");
                          });
 
