@@ -2,10 +2,9 @@
 // transport. The tokens must equal what engine::Scheduler produces in one process, every way
 // a request can end must return the decode pool to its starting state, and a damaged block
 // must be caught before it is decoded from.
+#include <algorithm>
 #include <filesystem>
 #include <thread>
-
-#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
