@@ -156,18 +156,28 @@ TEST(MoeEngineTest, ExpertLoadCountsEveryRoutedToken) {
   }
 }
 
-// Quantised experts (Q8_0; MXFP4 as gpt-oss ships them): the engine against the reference forward over the same (dequantised)
+// Quantised and half-precision experts (every weight type tandem multiplies by; MXFP4 as
+// gpt-oss ships it): the engine against the reference forward over the same (dequantised)
 // weights, within the error of quantising the activations as llama.cpp does.
 TEST(MoeEngineTest, QuantisedExpertsMatchTheReference) {
-  const std::pair<std::string, kernels::DType> cases[] = {
-      {"qwen2moe", kernels::DType::kQ8_0}, {"qwen3moe", kernels::DType::kQ8_0},
-      {"mixtral", kernels::DType::kQ8_0},  {"gpt-oss", kernels::DType::kQ8_0},
-      {"gpt-oss", kernels::DType::kMXFP4}};
-  for (const auto& [arch, type] : cases) {
+  struct Case {
+    std::string arch;
+    kernels::DType type;
+    int32_t width = 64;  // n_embd and expert width; K-quants need whole 256-value blocks
+  };
+  const Case cases[] = {
+      {"qwen2moe", kernels::DType::kQ8_0},       {"qwen3moe", kernels::DType::kQ8_0},
+      {"mixtral", kernels::DType::kQ8_0},        {"gpt-oss", kernels::DType::kQ8_0},
+      {"gpt-oss", kernels::DType::kMXFP4},       {"qwen3moe", kernels::DType::kQ4_0},
+      {"qwen3moe", kernels::DType::kF16},        {"mixtral", kernels::DType::kBF16},
+      {"qwen3moe", kernels::DType::kQ4_K, 256},  {"mixtral", kernels::DType::kQ6_K, 256}};
+  for (const auto& [arch, type, width] : cases) {
     SCOPED_TRACE(arch + " " + std::string(kernels::Traits(type).name));
     TinyModelOptions o;
     o.arch = arch;
     o.type = type;
+    o.n_embd = width;
+    o.n_ff = width;
     auto model = LoadTiny(o, arch + "-" + std::string(kernels::Traits(type).name));
     auto e = MakeEngine(model);
     const auto tokens = RandomTokens(13, model->config().n_vocab, 4);
