@@ -14,6 +14,7 @@
 #include "services/common/tls.h"
 #include "tandem/kernels/kv_quant.h"
 #include "tools/tandem/cluster.h"
+#include "tools/tandem/expert_placement.h"
 #include "tools/tandem/generate.h"
 #include "tools/tandem/model_tools.h"
 #include "tools/tandem/simulate.h"
@@ -138,6 +139,18 @@ int main(int argc, char** argv) {
     }
     rc = Report(tandem::tools::QuantizeModel(q_in, q_out, *t));
   });
+
+  // place-experts
+  tandem::tools::PlaceExpertsOptions pe;
+  auto* pex = app.add_subcommand(
+      "place-experts", "Expert placement for expert parallelism from measured expert load");
+  pex->add_option("--load", pe.load_paths,
+                  "/metrics scrapes holding tandem_expert_tokens_total (summed)")
+      ->required();
+  pex->add_option("--ranks", pe.ranks, "Ranks of the expert-parallel group")->required();
+  pex->add_option("--redundant", pe.redundant, "Extra expert replicas per layer");
+  pex->add_option("--out", pe.out_path, "Placement JSON to write")->required();
+  pex->callback([&] { rc = Report(tandem::tools::RunPlaceExperts(pe)); });
 
   // cluster up|down|status|add|remove
   auto* cl = app.add_subcommand("cluster", "Run a local cluster of real processes on loopback");
