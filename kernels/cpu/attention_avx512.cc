@@ -12,7 +12,8 @@
 // Numerics match the scalar path's two-pass softmax: f32 dot products (the scale is folded into
 // the query, which rounds once differently), the max subtracted, exponentials from a degree-7
 // polynomial (relative error about 1e-7 over the reduced range), their sum in f32 lanes, then the
-// weighted sum of V.
+// weighted sum of V. A sliding window starts each row's keys later; a sink adds one logit
+// per head to the max and the sum (gpt-oss).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -124,12 +125,15 @@ void AttendRows(const PagedAttentionParams& p, int64_t qi0, int nr, int64_t kvh,
   const int64_t d = p.head_dim;
   const int64_t bs = p.block_size;
   const __m512 scale = _mm512_set1_ps(p.scale);
-  int64_t keys[R];
-  int64_t n_keys = 0, min_keys = INT64_MAX;
+  // Row r sees keys [first[r], keys[r]): all of its prefix, or its last `window` positions.
+  int64_t keys[R], first[R];
+  int64_t n_keys = 0, min_keys = INT64_MAX, lo = INT64_MAX;
   for (int r = 0; r < nr; ++r) {
     keys[r] = p.q_pos[qi0 + r] + 1;
+    first[r] = p.window > 0 ? std::max<int64_t>(0, keys[r] - p.window) : 0;
     n_keys = std::max(n_keys, keys[r]);
     min_keys = std::min(min_keys, keys[r]);
+    lo = std::min(lo, first[r]);
   }
   // Row r, head g at [r * NG + g].
   __m512 q[R * NG][D];
@@ -144,11 +148,11 @@ void AttendRows(const PagedAttentionParams& p, int64_t qi0, int nr, int64_t kvh,
   }
   const int rows = nr * NG;
 
-  // Pass 1: scores, block by block of the table.
-  for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
+  // Pass 1: scores, block by block of the table, from the first key any row sees.
+  for (int64_t t0 = lo / bs * bs; t0 < n_keys; t0 += bs) {
     const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
-    int64_t j = 0;
+    int64_t j = std::max<int64_t>(0, lo - t0);
     if constexpr (D == 1 && kKind == kKindF32) {
       // A head shorter than 16 floats (8 in small models): a reduction per key would cost more
       // than its dot product, so 16 keys at a time, one element of all 16 per gather, and the
@@ -189,17 +193,21 @@ void AttendRows(const PagedAttentionParams& p, int64_t qi0, int nr, int64_t kvh,
 
   // Softmax weights over each row's own keys, unnormalised; 1/sum is applied to the output.
   float inv[R * NG];
+  // A sink (gpt-oss) is one more logit per head: it raises the max and the sum, adds no value.
   for (int x = 0; x < rows; ++x) {
     float* s = scores + x * stride;
-    const int64_t nk = keys[x / NG];
+    const int64_t nk = keys[x / NG], t_first = first[x / NG];
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
+    int64_t t = t_first;
     for (; t + 16 <= nk; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
     const __mmask16 tail = static_cast<__mmask16>((1u << (nk - t)) - 1);
     if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    float max_s = _mm512_reduce_max_ps(mx);
+    const float* sink = p.sinks != nullptr ? p.sinks + h0 + x % NG : nullptr;
+    if (sink != nullptr) max_s = std::max(max_s, *sink);
+    const __m512 m = _mm512_set1_ps(max_s);
     __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= nk; t += 16) {
+    for (t = t_first; t + 16 <= nk; t += 16) {
       const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
       sum = _mm512_add_ps(sum, e);
@@ -209,22 +217,25 @@ void AttendRows(const PagedAttentionParams& p, int64_t qi0, int nr, int64_t kvh,
       _mm512_mask_storeu_ps(s + t, tail, e);
       sum = _mm512_mask_add_ps(sum, tail, sum, e);
     }
-    inv[x] = 1.0f / _mm512_reduce_add_ps(sum);
+    float total = _mm512_reduce_add_ps(sum);
+    if (sink != nullptr) total += std::exp(*sink - max_s);
+    inv[x] = 1.0f / total;
   }
 
   // Pass 2: weighted sum of V; keys every row sees first, then each row's remaining ones.
   __m512 acc[R * NG][D];
   for (int x = 0; x < rows; ++x)
     for (int c = 0; c < D; ++c) acc[x][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < n_keys; t0 += bs) {
+  for (int64_t t0 = lo / bs * bs; t0 < n_keys; t0 += bs) {
     const int64_t block = p.block_table[t0 / bs];
     const int64_t n = std::min(bs, n_keys - t0);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = std::max<int64_t>(0, lo - t0); j < n; ++j) {
       const int64_t t = t0 + j;
       __m512 v[D];
       LoadRow<D, kKind>(p, p.v_cache, block, j, kvh, v);
       for (int x = 0; x < rows; ++x) {
         if (t >= min_keys && t >= keys[x / NG]) continue;
+        if (t < first[x / NG]) continue;
         const __m512 w = _mm512_set1_ps(scores[x * stride + t]);
         for (int c = 0; c < D; ++c) acc[x][c] = _mm512_fmadd_ps(w, v[c], acc[x][c]);
       }
@@ -281,8 +292,7 @@ void AttendItemT(const PagedAttentionParams& p, int64_t qi0, int64_t nq, int64_t
 }  // namespace
 
 bool AttentionSupports(const PagedAttentionParams& p) {
-  // Attention sinks and sliding windows (gpt-oss) take the scalar path.
-  return p.sinks == nullptr && p.window == 0 && p.head_dim >= 1 && p.head_dim <= 128 &&
+  return p.head_dim >= 1 && p.head_dim <= 128 &&
          (p.kv_type == DType::kF16 || p.kv_type == DType::kF32 || p.kv_type == DType::kI8 ||
           p.kv_type == DType::kFp8E4M3);
 }

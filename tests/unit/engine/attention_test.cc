@@ -78,14 +78,21 @@ double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST(PagedAttentionTest, MatchesReferenceOnEveryIsa) {
   const Case cases[] = {
-      {4, 4, 16, 16, 37, 1, DType::kF32},    {8, 2, 32, 16, 70, 5, DType::kF32},
-      {6, 3, 64, 8, 100, 100, DType::kF32},  {8, 2, 32, 16, 70, 3, DType::kF16},
-      {6, 6, 48, 16, 129, 33, DType::kF16},  {32, 8, 64, 16, 300, 40, DType::kF16},
-      {14, 2, 64, 16, 50, 17, DType::kF32},  {4, 1, 128, 16, 65, 9, DType::kF16},
+      {4, 4, 16, 16, 37, 1, DType::kF32},
+      {8, 2, 32, 16, 70, 5, DType::kF32},
+      {6, 3, 64, 8, 100, 100, DType::kF32},
+      {8, 2, 32, 16, 70, 3, DType::kF16},
+      {6, 6, 48, 16, 129, 33, DType::kF16},
+      {32, 8, 64, 16, 300, 40, DType::kF16},
+      {14, 2, 64, 16, 50, 17, DType::kF32},
+      {4, 1, 128, 16, 65, 9, DType::kF16},
       // Head dims that are not multiples of 16: the AVX-512 path masks its last chunk.
-      {4, 2, 8, 16, 20, 20, DType::kF32},    {8, 4, 8, 16, 300, 7, DType::kF32},
-      {8, 4, 8, 16, 45, 3, DType::kF16},     {6, 2, 24, 16, 61, 5, DType::kF32},
-      {4, 4, 72, 8, 33, 2, DType::kF16},     {2, 1, 5, 16, 19, 4, DType::kF32},
+      {4, 2, 8, 16, 20, 20, DType::kF32},
+      {8, 4, 8, 16, 300, 7, DType::kF32},
+      {8, 4, 8, 16, 45, 3, DType::kF16},
+      {6, 2, 24, 16, 61, 5, DType::kF32},
+      {4, 4, 72, 8, 33, 2, DType::kF16},
+      {2, 1, 5, 16, 19, 4, DType::kF32},
   };
   std::mt19937 rng(3);
   util::ThreadPool pool(2);
@@ -101,8 +108,8 @@ TEST(PagedAttentionTest, MatchesReferenceOnEveryIsa) {
         pr.p.out = got.data();
         PagedAttention(pr.p, tp);
         EXPECT_LT(MaxAbsDiff(got, want), 2e-5)
-            << IsaName(isa) << " heads=" << c.n_head << "/" << c.n_kv_head
-            << " dim=" << c.head_dim << " ctx=" << c.ctx << " pool=" << (tp != nullptr);
+            << IsaName(isa) << " heads=" << c.n_head << "/" << c.n_kv_head << " dim=" << c.head_dim
+            << " ctx=" << c.ctx << " pool=" << (tp != nullptr);
       }
     }
   }
@@ -113,56 +120,71 @@ TEST(PagedAttentionTest, MatchesReferenceOnEveryIsa) {
 // and head h's softmax has one extra logit sinks[h] with no value.
 TEST(PagedAttentionTest, SlidingWindowAndSinksFollowTheirDefinition) {
   std::mt19937 rng(17);
-  const Case c{8, 2, 32, 16, 70, 6, DType::kF32};
-  Problem pr(c, rng);
-  std::vector<float> sinks(c.n_head);
-  std::normal_distribution<float> nd(0.0f, 2.0f);
-  for (float& x : sinks) x = nd(rng);
-  util::ThreadPool pool(2);
-  for (int32_t window : {0, 1, 20, 500}) {
-    for (bool with_sinks : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "window " << window << " sinks " << with_sinks);
-      PagedAttentionParams p = pr.p;
-      p.window = window;
-      p.sinks = with_sinks ? sinks.data() : nullptr;
-      std::vector<float> want(pr.out_size());
-      const int group = c.n_head / c.n_kv_head;
-      for (int qi = 0; qi < c.n_q; ++qi) {
-        const int pos = pr.pos[qi];
-        const int first = window > 0 ? std::max(0, pos + 1 - window) : 0;
-        for (int h = 0; h < c.n_head; ++h) {
-          auto row = [&](const std::vector<float>& cache, int t) {
-            const int block = pr.table[t / c.block_size];
-            return cache.data() +
-                   ((size_t(block) * c.block_size + t % c.block_size) * c.n_kv_head + h / group) *
-                       c.head_dim;
-          };
-          std::vector<double> e(pos + 1, 0.0);
-          double mx = with_sinks ? sinks[h] : -INFINITY;
-          for (int t = first; t <= pos; ++t) {
-            double dot = 0;
-            for (int i = 0; i < c.head_dim; ++i) {
-              dot += double(pr.q[size_t(qi) * p.q_stride + h * c.head_dim + i]) * row(pr.kf, t)[i];
+  // A 32-wide head over 6 rows (tiles of several rows with different windows), and an 8-wide
+  // f16 one over a 40-row prefill chunk.
+  for (const Case& c :
+       {Case{8, 2, 32, 16, 70, 6, DType::kF32}, Case{4, 2, 8, 16, 90, 40, DType::kF16}}) {
+    SCOPED_TRACE(::testing::Message() << "head dim " << c.head_dim);
+    Problem pr(c, rng);
+    std::vector<float> sinks(c.n_head);
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    for (float& x : sinks) x = nd(rng);
+    util::ThreadPool pool(2);
+    for (int32_t window : {0, 1, 20, 500}) {
+      for (bool with_sinks : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "window " << window << " sinks " << with_sinks);
+        PagedAttentionParams p = pr.p;
+        p.window = window;
+        p.sinks = with_sinks ? sinks.data() : nullptr;
+        std::vector<float> want(pr.out_size());
+        const int group = c.n_head / c.n_kv_head;
+        for (int qi = 0; qi < c.n_q; ++qi) {
+          const int pos = pr.pos[qi];
+          const int first = window > 0 ? std::max(0, pos + 1 - window) : 0;
+          for (int h = 0; h < c.n_head; ++h) {
+            // The cache's values as the kernel reads them (f16 caches rounded).
+            auto at = [&](const std::vector<float>& f32, const std::vector<uint16_t>& f16, int t,
+                          int head, int i) -> double {
+              const int block = pr.table[t / c.block_size];
+              const size_t idx =
+                  ((size_t(block) * c.block_size + t % c.block_size) * c.n_kv_head + head / group) *
+                      c.head_dim +
+                  i;
+              return c.type == DType::kF16 ? double(Fp16ToF32(f16[idx])) : double(f32[idx]);
+            };
+            auto K = [&](int t, int head, int i) { return at(pr.kf, pr.kh, t, head, i); };
+            auto V = [&](int t, int head, int i) { return at(pr.vf, pr.vh, t, head, i); };
+            std::vector<double> e(pos + 1, 0.0);
+            double mx = with_sinks ? sinks[h] : -INFINITY;
+            for (int t = first; t <= pos; ++t) {
+              double dot = 0;
+              for (int i = 0; i < c.head_dim; ++i) {
+                dot += double(pr.q[size_t(qi) * p.q_stride + h * c.head_dim + i]) * K(t, h, i);
+              }
+              e[t] = dot * p.scale;
+              mx = std::max(mx, e[t]);
             }
-            e[t] = dot * p.scale;
-            mx = std::max(mx, e[t]);
-          }
-          double sum = with_sinks ? std::exp(sinks[h] - mx) : 0.0;
-          for (int t = first; t <= pos; ++t) sum += (e[t] = std::exp(e[t] - mx));
-          for (int i = 0; i < c.head_dim; ++i) {
-            double acc = 0;
-            for (int t = first; t <= pos; ++t) acc += e[t] / sum * row(pr.vf, t)[i];
-            want[size_t(qi) * p.out_stride + h * c.head_dim + i] = float(acc);
+            double sum = with_sinks ? std::exp(sinks[h] - mx) : 0.0;
+            for (int t = first; t <= pos; ++t) sum += (e[t] = std::exp(e[t] - mx));
+            for (int i = 0; i < c.head_dim; ++i) {
+              double acc = 0;
+              for (int t = first; t <= pos; ++t) acc += e[t] / sum * V(t, h, i);
+              want[size_t(qi) * p.out_stride + h * c.head_dim + i] = float(acc);
+            }
           }
         }
+        std::vector<float> ref(pr.out_size(), NAN);
+        p.out = ref.data();
+        PagedAttentionReference(p);
+        EXPECT_LT(MaxAbsDiff(ref, want), 1e-6);
+        for (Isa isa : testing::AvailableIsas()) {
+          testing::ScopedIsaCap cap(isa);
+          std::vector<float> got(pr.out_size(), NAN);
+          p.out = got.data();
+          PagedAttention(p, &pool);
+          EXPECT_LT(MaxAbsDiff(got, want), 2e-5) << IsaName(isa);
+        }
       }
-      std::vector<float> got(pr.out_size(), NAN), ref(pr.out_size(), NAN);
-      p.out = got.data();
-      PagedAttention(p, &pool);
-      p.out = ref.data();
-      PagedAttentionReference(p);
-      EXPECT_LT(MaxAbsDiff(got, want), 2e-5);
-      EXPECT_LT(MaxAbsDiff(ref, want), 1e-6);
     }
   }
 }

@@ -15,7 +15,6 @@
 // gpt-oss's extras: with `window` > 0 query i attends only to the last `window` positions
 // (q_pos[i] - window, q_pos[i]]; with `sinks` each head's softmax has one more logit,
 // sinks[h], that takes probability but carries no value (llama.cpp's soft_max_ext sinks).
-// Either one runs on the scalar path.
 // Threading: (query row, KV head) items are shared out over the pool dynamically (nullptr:
 // inline). Caller owns buffers.
 #pragma once
