@@ -64,7 +64,9 @@ absl::Status ReadExperts(const gguf::GgufFile& f, const std::string& p, int64_t 
     TANDEM_ASSIGN_OR_RETURN(c.n_ff, GetDim(f, p + "feed_forward_length"));
   }
   if (c.arch == Arch::kLlama) {
-    if (!has_ff) return absl::InvalidArgumentError(absl::StrCat("missing key ", p, "feed_forward_length"));
+    if (!has_ff) {
+      return absl::InvalidArgumentError(absl::StrCat("missing key ", p, "feed_forward_length"));
+    }
     c.n_ff_exp = c.n_ff;
   } else if (f.Find(p + "expert_feed_forward_length") != nullptr) {
     TANDEM_ASSIGN_OR_RETURN(c.n_ff_exp, GetDim(f, p + "expert_feed_forward_length"));
@@ -103,7 +105,8 @@ absl::Status ReadExperts(const gguf::GgufFile& f, const std::string& p, int64_t 
 absl::Status ReadYarn(const gguf::GgufFile& f, const std::string& p, ModelConfig& c) {
   const float factor = 1.0f / c.rope_freq_scale;
   auto mscale = [](float s, float m) { return s <= 1.0f ? 1.0f : 0.1f * m * std::log(s) + 1.0f; };
-  TANDEM_ASSIGN_OR_RETURN(double log_mul, f.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
+  TANDEM_ASSIGN_OR_RETURN(double log_mul,
+                          f.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
   TANDEM_ASSIGN_OR_RETURN(double attn, f.GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
   float a = log_mul != 0.0 ? mscale(factor, 1.0f) / mscale(factor, static_cast<float>(log_mul))
                            : mscale(factor, 1.0f);
@@ -229,7 +232,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const gguf::GgufFile& f) {
   const bool moe_arch =
       c.arch == Arch::kQwen2Moe || c.arch == Arch::kQwen3Moe || c.arch == Arch::kGptOss;
   if (moe_arch && n_expert == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(p, "expert_count must be > 0 for ", c.arch_name));
+    return absl::InvalidArgumentError(
+        absl::StrCat(p, "expert_count must be > 0 for ", c.arch_name));
   }
   if (n_expert > 0 && c.arch != Arch::kLlama && !moe_arch) {
     return absl::UnimplementedError(
@@ -459,7 +463,8 @@ absl::Status Model::Bind() {
     const std::string b = absl::StrCat("blk.", i, ".");
     TANDEM_ASSIGN_OR_RETURN(l.attn_norm, LoadVector(f, b + "attn_norm.weight", c.n_embd));
     // gpt-oss names its FFN's input norm post_attention_norm.
-    const std::string ffn_norm = c.arch == Arch::kGptOss ? "post_attention_norm.weight" : "ffn_norm.weight";
+    const std::string ffn_norm =
+        c.arch == Arch::kGptOss ? "post_attention_norm.weight" : "ffn_norm.weight";
     TANDEM_ASSIGN_OR_RETURN(l.ffn_norm, LoadVector(f, b + ffn_norm, c.n_embd));
     TANDEM_ASSIGN_OR_RETURN(l.wq, LoadMatrix(f, b + "attn_q.weight", c.n_embd, q_dim));
     TANDEM_ASSIGN_OR_RETURN(l.wk, LoadMatrix(f, b + "attn_k.weight", c.n_embd, kv_dim));
@@ -473,22 +478,27 @@ absl::Status Model::Bind() {
       const int64_t ne = c.n_expert, ff = c.n_ff_exp;
       TANDEM_ASSIGN_OR_RETURN(l.ffn_gate_inp,
                               LoadMatrix(f, b + "ffn_gate_inp.weight", c.n_embd, ne));
-      TANDEM_ASSIGN_OR_RETURN(l.exp_gate, LoadExperts(f, b + "ffn_gate_exps.weight", c.n_embd, ff, ne));
+      TANDEM_ASSIGN_OR_RETURN(l.exp_gate,
+                              LoadExperts(f, b + "ffn_gate_exps.weight", c.n_embd, ff, ne));
       TANDEM_ASSIGN_OR_RETURN(l.exp_up, LoadExperts(f, b + "ffn_up_exps.weight", c.n_embd, ff, ne));
-      TANDEM_ASSIGN_OR_RETURN(l.exp_down, LoadExperts(f, b + "ffn_down_exps.weight", ff, c.n_embd, ne));
+      TANDEM_ASSIGN_OR_RETURN(l.exp_down,
+                              LoadExperts(f, b + "ffn_down_exps.weight", ff, c.n_embd, ne));
       if (c.arch == Arch::kGptOss) {
         TANDEM_ASSIGN_OR_RETURN(l.gate_inp_b, LoadVector(f, b + "ffn_gate_inp.bias", ne));
         TANDEM_ASSIGN_OR_RETURN(l.exp_gate_b, LoadVector(f, b + "ffn_gate_exps.bias", ff * ne));
         TANDEM_ASSIGN_OR_RETURN(l.exp_up_b, LoadVector(f, b + "ffn_up_exps.bias", ff * ne));
-        TANDEM_ASSIGN_OR_RETURN(l.exp_down_b, LoadVector(f, b + "ffn_down_exps.bias", c.n_embd * ne));
+        TANDEM_ASSIGN_OR_RETURN(l.exp_down_b,
+                                LoadVector(f, b + "ffn_down_exps.bias", c.n_embd * ne));
       }
       if (c.n_ff_shexp > 0) {
         const int64_t sff = c.n_ff_shexp;
         TANDEM_ASSIGN_OR_RETURN(l.sh_gate_inp,
                                 LoadVector(f, b + "ffn_gate_inp_shexp.weight", c.n_embd));
-        TANDEM_ASSIGN_OR_RETURN(l.sh_gate, LoadMatrix(f, b + "ffn_gate_shexp.weight", c.n_embd, sff));
+        TANDEM_ASSIGN_OR_RETURN(l.sh_gate,
+                                LoadMatrix(f, b + "ffn_gate_shexp.weight", c.n_embd, sff));
         TANDEM_ASSIGN_OR_RETURN(l.sh_up, LoadMatrix(f, b + "ffn_up_shexp.weight", c.n_embd, sff));
-        TANDEM_ASSIGN_OR_RETURN(l.sh_down, LoadMatrix(f, b + "ffn_down_shexp.weight", sff, c.n_embd));
+        TANDEM_ASSIGN_OR_RETURN(l.sh_down,
+                                LoadMatrix(f, b + "ffn_down_shexp.weight", sff, c.n_embd));
       }
     }
     // Biases: required for qwen2, loaded when present otherwise (as llama.cpp does).

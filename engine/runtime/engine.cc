@@ -328,7 +328,9 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
     if (c.is_moe()) {
       moe_.Forward(c, w, xn_.data(), T, tmp_.data(), pool);
       const std::vector<int64_t>& routed = moe_.last_expert_tokens();
-      for (int32_t e = 0; e < c.n_expert; ++e) expert_tokens_[size_t(l) * c.n_expert + e] += routed[e];
+      for (int32_t e = 0; e < c.n_expert; ++e) {
+        expert_tokens_[size_t(l) * c.n_expert + e] += routed[e];
+      }
     } else {
       const Projection gate_up[] = {{&w.w_gate, gate_.data()}, {&w.w_up, up_.data()}};
       MatmulSameInput(gate_up, xn_.data(), T, pool);

@@ -79,7 +79,9 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
   Grow(logits_, size_t(T) * ne);
   MatmulRows(w.ffn_gate_inp, xn, T, logits_.data(), pool);
   if (!w.gate_inp_b.empty()) {
-    for (int64_t t = 0; t < T; ++t) kernels::AddInPlace(logits_.data() + t * ne, w.gate_inp_b.data(), ne);
+    for (int64_t t = 0; t < T; ++t) {
+      kernels::AddInPlace(logits_.data() + t * ne, w.gate_inp_b.data(), ne);
+    }
   }
   RouteTokens(logits_.data(), T, ne, k, c.expert_gating, c.expert_weights_norm, &routing_);
   // The expert activation, after each projection's bias.

@@ -1,4 +1,5 @@
-// RoPE with ggml's angle arithmetic (and its YaRN blend when ext_factor != 0): theta starts at the position
+// RoPE with ggml's angle arithmetic (and its YaRN blend when ext_factor != 0): theta starts at
+// the position
 // and is multiplied by theta_scale = base^(-2/n_rot) once per pair, all in float; each pair's
 // angle is theta / freq_factor * freq_scale. Rope computes the cos/sin table once per call and
 // applies it to every head; RopeReference recomputes the angles per head.
@@ -43,8 +44,8 @@ void Rotate(const RopeParams& p, float* head, int64_t pair, float c, float s) {
 void YarnCorrDims(int64_t n_rot, int64_t n_ctx_orig, float freq_base, float beta_fast,
                   float beta_slow, float out[2]) {
   auto dim = [&](float rotations) {
-    return static_cast<float>(n_rot) *
-           std::log(static_cast<float>(n_ctx_orig) / (rotations * 2.0f * static_cast<float>(M_PI))) /
+    const float turns = rotations * 2.0f * static_cast<float>(M_PI);
+    return static_cast<float>(n_rot) * std::log(static_cast<float>(n_ctx_orig) / turns) /
            (2.0f * std::log(freq_base));
   };
   out[0] = std::max(0.0f, std::floor(dim(beta_fast)));

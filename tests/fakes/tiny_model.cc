@@ -139,7 +139,8 @@ absl::Status WriteTinyModel(const TinyModelOptions& o, const std::string& path) 
     const std::string b = absl::StrCat("blk.", l, ".");
     st = AddVector(w, rng, b + "attn_norm.weight", d, 1.0, 0.1);
     if (st.ok()) {
-      st = AddVector(w, rng, b + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"), d, 1.0, 0.1);
+      const char* ffn_norm = gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight";
+      st = AddVector(w, rng, b + ffn_norm, d, 1.0, 0.1);
     }
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_q.weight", d, qd, o.type, s_in * 2);
     if (st.ok()) st = AddMatrix(w, rng, b + "attn_k.weight", d, kvd, o.type, s_in * 2);

@@ -711,7 +711,9 @@ absl::Status Synthesize(const SynthOptions& options) {
   if (s.n_expert > 0) {
     w.SetU32(a + ".expert_count", static_cast<uint32_t>(s.n_expert));
     w.SetU32(a + ".expert_used_count", static_cast<uint32_t>(s.n_expert_used));
-    if (a != "llama") w.SetU32(a + ".expert_feed_forward_length", static_cast<uint32_t>(s.n_ff_exp));
+    if (a != "llama") {
+      w.SetU32(a + ".expert_feed_forward_length", static_cast<uint32_t>(s.n_ff_exp));
+    }
     if (s.n_ff_shexp > 0) {
       w.SetU32(a + ".expert_shared_feed_forward_length", static_cast<uint32_t>(s.n_ff_shexp));
     }
@@ -730,8 +732,9 @@ absl::Status Synthesize(const SynthOptions& options) {
   auto add_matrix = [&](std::string name, int64_t row_len, int64_t rows, float std,
                         int64_t n_stack = 1, bool keep_f32 = false) -> absl::Status {
     // MXFP4 as llama.cpp's MXFP4_MOE file type lays it out: experts MXFP4, other matrices Q8_0.
-    const DType wanted =
-        options.type == DType::kMXFP4 && s.n_expert > 0 && n_stack == 1 ? DType::kQ8_0 : options.type;
+    const bool non_expert_of_mxfp4_moe =
+        options.type == DType::kMXFP4 && s.n_expert > 0 && n_stack == 1;
+    const DType wanted = non_expert_of_mxfp4_moe ? DType::kQ8_0 : options.type;
     const DType type = keep_f32 ? DType::kF32 : MatrixType(wanted, row_len);
     if (type != wanted && !keep_f32) f16_fallback.push_back(name);
     auto spec = std::make_unique<SynthMatrix>(SynthMatrix{Fnv1a(name), row_len, type, std});
@@ -786,8 +789,8 @@ absl::Status Synthesize(const SynthOptions& options) {
       TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_k_norm.weight", head_dim, 1.0f, kNormJitter));
     }
     const bool gpt_oss = a == "gpt-oss";
-    TANDEM_RETURN_IF_ERROR(add_vector(p + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"),
-                                      s.dim, 1.0f, kNormJitter));
+    const char* ffn_norm = gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight";
+    TANDEM_RETURN_IF_ERROR(add_vector(p + ffn_norm, s.dim, 1.0f, kNormJitter));
     if (gpt_oss) {
       TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_output.bias", s.dim, 0.0f, kBiasStd));
       TANDEM_RETURN_IF_ERROR(add_vector(p + "attn_sinks.weight", s.n_heads, 0.0f, 1.0f));
@@ -810,10 +813,12 @@ absl::Status Synthesize(const SynthOptions& options) {
     if (gpt_oss) {
       TANDEM_RETURN_IF_ERROR(add_vector(p + "ffn_gate_inp.bias", ne, 0.0f, kBiasStd));
       for (const char* name : {"ffn_gate_exps.bias", "ffn_up_exps.bias"}) {
-        TANDEM_RETURN_IF_ERROR(AddF32(w, p + name, {ff, ne}, vector_of(p + name, ff * ne, 0.0f, kBiasStd)));
+        TANDEM_RETURN_IF_ERROR(
+            AddF32(w, p + name, {ff, ne}, vector_of(p + name, ff * ne, 0.0f, kBiasStd)));
       }
-      TANDEM_RETURN_IF_ERROR(AddF32(w, p + "ffn_down_exps.bias", {s.dim, ne},
-                                    vector_of(p + "ffn_down_exps.bias", s.dim * ne, 0.0f, kBiasStd)));
+      const std::string down_b = p + "ffn_down_exps.bias";
+      TANDEM_RETURN_IF_ERROR(
+          AddF32(w, down_b, {s.dim, ne}, vector_of(down_b, s.dim * ne, 0.0f, kBiasStd)));
     }
     if (s.n_ff_shexp > 0) {
       const int64_t sff = s.n_ff_shexp;
@@ -835,10 +840,10 @@ absl::Status Synthesize(const SynthOptions& options) {
   return w.Write(options.out_path);
 }
 
-// Requantisation. Only 2-D ".weight" matrices and 3-D expert stacks change type: norms, biases and rope factors are
-// copied as they are. A matrix whose row length is not a whole number of the target type's
-// blocks (e.g. 896-wide rows for a 256-element K-quant block) falls back to F16, which every
-// row length allows and which loses little.
+// Requantisation. Only 2-D ".weight" matrices and 3-D expert stacks change type: norms, biases
+// and rope factors are copied as they are. A matrix whose row length is not a whole number of
+// the target type's blocks (e.g. 896-wide rows for a 256-element K-quant block) falls back to
+// F16, which every row length allows and which loses little.
 absl::Status QuantizeModel(const std::string& in_path, const std::string& out_path, DType type) {
   TANDEM_RETURN_IF_ERROR(CheckWeightType(type));
   TANDEM_ASSIGN_OR_RETURN(auto in, gguf::GgufFile::Open(in_path));
@@ -863,7 +868,8 @@ absl::Status QuantizeModel(const std::string& in_path, const std::string& out_pa
     const bool is_matrix = (t.dims.size() == 2 || t.dims.size() == 3) &&
                            std::string_view(t.name).ends_with(".weight") &&
                            !std::string_view(t.name).ends_with("ffn_gate_inp.weight");
-    const DType wanted = type == DType::kMXFP4 && moe && t.dims.size() == 2 ? DType::kQ8_0 : type;
+    const DType wanted =
+        type == DType::kMXFP4 && moe && t.dims.size() == 2 ? DType::kQ8_0 : type;
     const DType dst = is_matrix ? MatrixType(wanted, t.dims[0]) : t.type;
     if (is_matrix && dst != wanted) f16_fallback.emplace_back(t.name);
     if (dst == t.type) {

@@ -115,7 +115,9 @@ TEST_P(EngineArchTest, TokenByTokenAndChunkedMatchTheReference) {
     std::vector<float> got = RunChunked(*e, tokens, chunk, blocks);
     ASSERT_EQ(got.size(), want.size());
     double max_err = 0;
-    for (size_t i = 0; i < got.size(); ++i) max_err = std::max(max_err, std::fabs(got[i] - want[i]));
+    for (size_t i = 0; i < got.size(); ++i) {
+      max_err = std::max(max_err, std::fabs(got[i] - want[i]));
+    }
     EXPECT_LT(max_err, 1e-3 * spread);
   }
 }

@@ -61,7 +61,8 @@ void Rope(const engine::ModelConfig& c, const std::vector<float>& factors, Vec& 
           return c.n_rot * std::log(c.rope_ctx_orig / (turns * 2 * M_PI)) /
                  (2 * std::log(double(c.rope_base)));
         };
-        const double lo = std::max(0.0, std::floor(corr(32))), hi = std::min(c.n_rot - 1.0, std::ceil(corr(1)));
+        const double lo = std::max(0.0, std::floor(corr(32)));
+        const double hi = std::min(c.n_rot - 1.0, std::ceil(corr(1)));
         const double ramp = 1 - std::clamp((i - lo) / std::max(0.001, hi - lo), 0.0, 1.0);
         theta = theta * (1 - ramp) + extrap * ramp;
         mscale = 1 + 0.1 * std::log(1 / double(c.rope_freq_scale));

@@ -671,8 +671,8 @@ TEST(Synthesize, BadOptions) {
   EXPECT_THAT(SynthShapeNames(),
               ::testing::ElementsAre("stories15M", "llama-1b", "qwen2-0.5b", "qwen3-0.6b",
                                      "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-mini",
-                                     "qwen3moe-test", "qwen2moe-test", "mixtral-test", "gpt-oss-20b",
-                                     "gpt-oss-test"));
+                                     "qwen3moe-test", "qwen2moe-test", "mixtral-test",
+                                     "gpt-oss-20b", "gpt-oss-test"));
 }
 
 // MoE shapes: experts as 3-D stacks with the keys llama.cpp reads; the router stays F32
