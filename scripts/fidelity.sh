@@ -63,14 +63,20 @@ run_case() {
     "$base.ref.json" "$base.tandem.json" >> "$manifest"
 }
 
-for type in $types; do
-  model="$work/models/stories15M-$type.gguf"
-  # Regenerated whenever tandem is newer, since synth's output may have changed with it.
+# synth_model SHAPE TYPE: prints the path of the synthetic model, made (or remade whenever tandem
+# is newer, since synth's output may have changed with it) under $work/models.
+synth_model() {
+  local model="$work/models/$1-$2.gguf"
   if [ ! -s "$model" ] || [ "$tandem" -nt "$model" ]; then
     log "synthesising $model"
-    "$tandem" synth --shape stories15M --type "$type" --seed 1 --out "$model.tmp" >&2
+    "$tandem" synth --shape "$1" --type "$2" --seed 1 --out "$model.tmp" >&2
     mv "$model.tmp" "$model"
   fi
+  echo "$model"
+}
+
+for type in $types; do
+  model=$(synth_model stories15M "$type")
   case "$type" in f32|F32|f16|F16) strict=1 ;; *) strict=0 ;; esac
   for i in "${!prompts[@]}"; do
     log "$type: prompt $i"
@@ -81,12 +87,7 @@ done
 kquant_types=${TANDEM_FIDELITY_KQUANT-"q4_K"}
 kquant_shape=${TANDEM_FIDELITY_KQUANT_SHAPE:-llama-1b}
 for type in $kquant_types; do
-  model="$work/models/$kquant_shape-$type.gguf"
-  if [ ! -s "$model" ] || [ "$tandem" -nt "$model" ]; then
-    log "synthesising $model"
-    "$tandem" synth --shape "$kquant_shape" --type "$type" --seed 1 --out "$model.tmp" >&2
-    mv "$model.tmp" "$model"
-  fi
+  model=$(synth_model "$kquant_shape" "$type")
   log "$type ($kquant_shape): prompt 0"
   run_case "$type" "$kquant_shape" "$model" 0 0 "${prompts[0]}"
 done
@@ -95,12 +96,7 @@ moe_shapes=${TANDEM_FIDELITY_MOE_SHAPES-"qwen3moe-test qwen2moe-test mixtral-tes
 moe_types=${TANDEM_FIDELITY_MOE_TYPES-"f32 q8_0 q4_K mxfp4"}
 for shape in $moe_shapes; do
   for type in $moe_types; do
-    model="$work/models/$shape-$type.gguf"
-    if [ ! -s "$model" ] || [ "$tandem" -nt "$model" ]; then
-      log "synthesising $model"
-      "$tandem" synth --shape "$shape" --type "$type" --seed 1 --out "$model.tmp" >&2
-      mv "$model.tmp" "$model"
-    fi
+    model=$(synth_model "$shape" "$type")
     case "$type" in f32|F32|f16|F16) strict=1 ;; *) strict=0 ;; esac
     for i in "${!prompts[@]}"; do
       log "$type ($shape): prompt $i"

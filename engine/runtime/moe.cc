@@ -111,10 +111,8 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
   offsets_.assign(ne + 1, 0);
   for (int32_t e = 0; e < ne; ++e) offsets_[e + 1] = offsets_[e] + counts_[e];
   rows_.resize(size_t(T) * k);
-  {
-    std::vector<int64_t> fill(offsets_.begin(), offsets_.end() - 1);
-    for (int64_t i = 0; i < T * k; ++i) rows_[fill[routing_.expert[i]]++] = i;
-  }
+  fill_.assign(offsets_.begin(), offsets_.end() - 1);
+  for (int64_t i = 0; i < T * k; ++i) rows_[fill_[routing_.expert[i]]++] = i;
   const int64_t most = *std::max_element(counts_.begin(), counts_.end());
   Grow(slot_out_, size_t(T) * k * d);
   Grow(in_, size_t(std::max(most, T)) * std::max(d, ff));
@@ -126,13 +124,13 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
     // to the pool in one hand-off, and their down projections one expert per task.
     Grow(gate_, size_t(k) * ff);
     Grow(up_, size_t(k) * ff);
-    std::vector<Projection> gate_up;
+    gate_up_.clear();
     for (int32_t s = 0; s < k; ++s) {
       const int32_t e = routing_.expert[s];
-      gate_up.push_back({&w.exp_gate[e], gate_.data() + s * ff});
-      gate_up.push_back({&w.exp_up[e], up_.data() + s * ff});
+      gate_up_.push_back({&w.exp_gate[e], gate_.data() + s * ff});
+      gate_up_.push_back({&w.exp_up[e], up_.data() + s * ff});
     }
-    MatmulSameInput(gate_up, xn, 1, pool);
+    MatmulSameInput(gate_up_, xn, 1, pool);
     for (int32_t s = 0; s < k; ++s) {
       activate(routing_.expert[s], gate_.data() + s * ff, up_.data() + s * ff, 1);
     }

@@ -20,6 +20,7 @@
 
 #include "common/util/thread_pool.h"
 #include "engine/model/model.h"
+#include "engine/runtime/weight_matmul.h"
 
 namespace tandem::engine {
 
@@ -50,6 +51,8 @@ class MoeFfn {
   std::vector<float> logits_, in_, gate_, up_, slot_out_, shared_;
   std::vector<int64_t> counts_, offsets_;
   std::vector<int64_t> rows_;  // per expert group: (token * k + slot), grouped by expert
+  std::vector<int64_t> fill_;   // next free index of each expert's group while grouping
+  std::vector<Projection> gate_up_;  // a one-token step's gate and up projections
 };
 
 }  // namespace tandem::engine
