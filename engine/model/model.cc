@@ -296,7 +296,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path,
   TANDEM_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromGguf(*m->file_));
   TANDEM_ASSIGN_OR_RETURN(m->tokenizer_, Tokenizer::FromGguf(*m->file_));
   TANDEM_RETURN_IF_ERROR(m->Bind());
-  m->file_->Prefault();
+  m->holds_expert_ = options.holds_expert;
+  m->experts_only_ = options.experts_only;
+  if (!m->holds_expert_) m->file_->Prefault();
   if (options.matrix_type) TANDEM_RETURN_IF_ERROR(m->ConvertMatrices(*options.matrix_type));
   if (options.pack_weights) m->PackWeights();
   return m;
@@ -305,15 +307,21 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path,
 void Model::FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
 
 std::vector<WeightView*> Model::MatrixViews(bool with_router) {
-  std::vector<WeightView*> views = {&output_};
-  for (LayerWeights& l : layers_) {
-    for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down, &l.sh_gate,
-                          &l.sh_up, &l.sh_down}) {
-      if (v->data != nullptr) views.push_back(v);
+  std::vector<WeightView*> views;
+  if (!experts_only_) views.push_back(&output_);
+  for (int32_t i = 0; i < static_cast<int32_t>(layers_.size()); ++i) {
+    LayerWeights& l = layers_[i];
+    if (!experts_only_) {
+      for (WeightView* v : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down,
+                            &l.sh_gate, &l.sh_up, &l.sh_down}) {
+        if (v->data != nullptr) views.push_back(v);
+      }
+      if (with_router && l.ffn_gate_inp.data != nullptr) views.push_back(&l.ffn_gate_inp);
     }
-    if (with_router && l.ffn_gate_inp.data != nullptr) views.push_back(&l.ffn_gate_inp);
     for (std::vector<WeightView>* experts : {&l.exp_gate, &l.exp_up, &l.exp_down}) {
-      for (WeightView& v : *experts) views.push_back(&v);
+      for (int32_t e = 0; e < static_cast<int32_t>(experts->size()); ++e) {
+        if (!holds_expert_ || holds_expert_(i, e)) views.push_back(&(*experts)[e]);
+      }
     }
   }
   return views;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -113,6 +114,13 @@ struct ModelLoadOptions {
   // whole number of the type's blocks keeps its own type. The self-draft of speculative
   // decoding is the target loaded this way (engine/runtime/draft_proposer.h).
   std::optional<kernels::DType> matrix_type;
+  // Expert parallelism: whether this process holds expert `expert` of layer `layer` (empty:
+  // every expert). Experts it does not hold are neither converted nor packed, and their
+  // mapped pages are never touched, so a rank's memory grows with its share of the experts.
+  std::function<bool(int32_t layer, int32_t expert)> holds_expert;
+  // An expert-only rank of an EP group: nothing but the experts is converted or packed (the
+  // rest stays as mapped, unread).
+  bool experts_only = false;
 };
 
 struct LayerWeights {
@@ -173,6 +181,8 @@ class Model {
   std::vector<LayerWeights> layers_;
   std::unique_ptr<uint8_t, FreeDeleter> packed_;  // every packed matrix, back to back
   std::unique_ptr<uint8_t, FreeDeleter> converted_;  // ConvertMatrices' output, until packed
+  std::function<bool(int32_t, int32_t)> holds_expert_;  // ModelLoadOptions's
+  bool experts_only_ = false;
 };
 
 }  // namespace tandem::engine

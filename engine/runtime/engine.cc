@@ -103,6 +103,11 @@ absl::StatusOr<uint64_t> Engine::KvBytes(const Model& model, const EngineOptions
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
                                                        const EngineOptions& opts) {
   TANDEM_ASSIGN_OR_RETURN(EngineOptions o, ResolveOptions(*model, opts));
+  if (o.expert_peers != nullptr && (!model->config().is_moe() || o.device != Device::kCpu)) {
+    return absl::InvalidArgumentError(
+        "expert parallelism needs an MoE model on the CPU (ranks > 1 given for a dense model, "
+        "or with --device cuda)");
+  }
   KvCacheOptions ko = KvOptions(*model, o);
   std::unique_ptr<DeviceForward> device;
   if (o.device == Device::kCuda) {
@@ -326,7 +331,11 @@ absl::Status Engine::CpuStep(std::span<const SeqChunk> chunks, int64_t T,
       }
     }, row_grain);
     if (c.is_moe()) {
-      moe_.Forward(c, w, xn_.data(), T, tmp_.data(), pool);
+      if (absl::Status st =
+              moe_.Forward(c, w, l, xn_.data(), T, tmp_.data(), pool, o_.expert_peers);
+          !st.ok()) {
+        return st;
+      }
       const std::vector<int64_t>& routed = moe_.last_expert_tokens();
       for (int32_t e = 0; e < c.n_expert; ++e) {
         expert_tokens_[size_t(l) * c.n_expert + e] += routed[e];

@@ -57,6 +57,11 @@ struct EngineOptions {
   // FAILED_PRECONDITION when tandem was built without CUDA or no device is visible, and with
   // INVALID_ARGUMENT naming the tensor when a weight's type has no GPU path.
   Device device = Device::kCpu;
+  // Expert parallelism (engine/runtime/expert_parallel.h): the other ranks of this worker's
+  // group, which compute the experts the placement does not give rank 0. Borrowed; must
+  // outlive the engine. A step they fail fails with their status (UNAVAILABLE when a rank is
+  // gone), and its K/V writes are then to be discarded like any failed step's.
+  ExpertPeers* expert_peers = nullptr;
 };
 
 // "cpu" / "cuda" (flags and logs); DeviceFromName is nullopt for anything else.

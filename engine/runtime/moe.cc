@@ -72,9 +72,10 @@ void RouteTokens(const float* logits, int64_t T, int32_t n_expert, int32_t k,
   }
 }
 
-void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* xn, int64_t T,
-                     float* out, util::ThreadPool* pool) {
-  const int64_t d = c.n_embd, ff = c.n_ff_exp;
+absl::Status MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, int32_t layer,
+                             const float* xn, int64_t T, float* out, util::ThreadPool* pool,
+                             ExpertPeers* peers) {
+  const int64_t d = c.n_embd;
   const int32_t ne = c.n_expert, k = c.n_expert_used;
   Grow(logits_, size_t(T) * ne);
   MatmulRows(w.ffn_gate_inp, xn, T, logits_.data(), pool);
@@ -84,26 +85,6 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
     }
   }
   RouteTokens(logits_.data(), T, ne, k, c.expert_gating, c.expert_weights_norm, &routing_);
-  // The expert activation, after each projection's bias.
-  auto activate = [&](int32_t e, float* gate, float* up, int64_t rows) {
-    if (!w.exp_gate_b.empty()) {
-      for (int64_t r = 0; r < rows; ++r) {
-        kernels::AddInPlace(gate + r * ff, w.exp_gate_b.data() + e * ff, ff);
-        kernels::AddInPlace(up + r * ff, w.exp_up_b.data() + e * ff, ff);
-      }
-    }
-    if (c.swiglu_oai) {
-      SwiGluOai(gate, up, gate, rows * ff);
-    } else {
-      kernels::SwiGlu(gate, up, gate, rows * ff);
-    }
-  };
-  auto down_bias = [&](int32_t e, float* out_rows, int64_t rows) {
-    if (w.exp_down_b.empty()) return;
-    for (int64_t r = 0; r < rows; ++r) {
-      kernels::AddInPlace(out_rows + r * d, w.exp_down_b.data() + e * d, d);
-    }
-  };
 
   // Group the (token, slot) pairs by expert, in token order within each group.
   counts_.assign(ne, 0);
@@ -113,51 +94,68 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
   rows_.resize(size_t(T) * k);
   fill_.assign(offsets_.begin(), offsets_.end() - 1);
   for (int64_t i = 0; i < T * k; ++i) rows_[fill_[routing_.expert[i]]++] = i;
-  const int64_t most = *std::max_element(counts_.begin(), counts_.end());
-  Grow(slot_out_, size_t(T) * k * d);
-  Grow(in_, size_t(std::max(most, T)) * std::max(d, ff));
-  Grow(gate_, size_t(std::max(most, T)) * ff);
-  Grow(up_, size_t(std::max(most, T)) * ff);
 
-  if (T == 1) {
-    // One token: every chosen expert sees the same input, so their gate and up projections go
-    // to the pool in one hand-off, and their down projections one expert per task.
-    Grow(gate_, size_t(k) * ff);
-    Grow(up_, size_t(k) * ff);
-    gate_up_.clear();
-    for (int32_t s = 0; s < k; ++s) {
-      const int32_t e = routing_.expert[s];
-      gate_up_.push_back({&w.exp_gate[e], gate_.data() + s * ff});
-      gate_up_.push_back({&w.exp_up[e], up_.data() + s * ff});
+  // Each rank's groups: an expert's pairs go to the rank holding it, split in contiguous runs
+  // between the ranks holding a replica.
+  const int32_t ranks = peers != nullptr ? peers->ranks() : 1;
+  const bool one_token = T == 1;
+  work_.resize(ranks);
+  work_slots_.resize(ranks);
+  work_in_.resize(ranks);
+  for (int32_t r = 0; r < ranks; ++r) {
+    work_[r].Clear(layer, one_token);
+    work_slots_[r].clear();
+  }
+  for (int32_t e = 0; e < ne; ++e) {
+    const int64_t n = counts_[e];
+    if (n == 0) continue;
+    const int32_t only = 0;
+    std::span<const int32_t> holders =
+        peers != nullptr ? peers->holders().of(layer, e) : std::span<const int32_t>(&only, 1);
+    const int64_t h = std::min<int64_t>(static_cast<int64_t>(holders.size()), n);
+    int64_t begin = offsets_[e];
+    for (int64_t i = 0; i < h; ++i) {
+      const int64_t len = n / h + (i < n % h ? 1 : 0);
+      const int32_t r = holders[i];
+      work_[r].expert.push_back(e);
+      work_[r].rows.push_back(len);
+      work_slots_[r].insert(work_slots_[r].end(), rows_.begin() + begin,
+                            rows_.begin() + begin + len);
+      begin += len;
     }
-    MatmulSameInput(gate_up_, xn, 1, pool);
-    for (int32_t s = 0; s < k; ++s) {
-      activate(routing_.expert[s], gate_.data() + s * ff, up_.data() + s * ff, 1);
+  }
+  // The remote ranks' inputs go out first, so they compute while this rank does.
+  auto gather = [&](int32_t r) -> const float* {
+    if (one_token) return xn;
+    const std::vector<int64_t>& slots = work_slots_[r];
+    Grow(work_in_[r], slots.size() * d);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(work_in_[r].data() + i * d, xn + (slots[i] / k) * d, d * sizeof(float));
     }
-    pool->ParallelFor(k, [&](int64_t b, int64_t end, int) {
-      for (int64_t s = b; s < end; ++s) {
-        const int32_t e = routing_.expert[s];
-        MatmulRows(w.exp_down[e], gate_.data() + s * ff, 1, slot_out_.data() + s * d, nullptr);
-        down_bias(e, slot_out_.data() + s * d, 1);
-      }
-    });
-  } else {
-    for (int32_t e = 0; e < ne; ++e) {
-      const int64_t n = counts_[e];
-      if (n == 0) continue;
-      const int64_t* group = rows_.data() + offsets_[e];
-      for (int64_t i = 0; i < n; ++i) {
-        std::memcpy(in_.data() + i * d, xn + (group[i] / k) * d, d * sizeof(float));
-      }
-      const Projection gate_up[] = {{&w.exp_gate[e], gate_.data()}, {&w.exp_up[e], up_.data()}};
-      MatmulSameInput(gate_up, in_.data(), n, pool);
-      activate(e, gate_.data(), up_.data(), n);
-      MatmulRows(w.exp_down[e], gate_.data(), n, in_.data(), pool);
-      down_bias(e, in_.data(), n);
-      for (int64_t i = 0; i < n; ++i) {
-        std::memcpy(slot_out_.data() + group[i] * d, in_.data() + i * d, d * sizeof(float));
-      }
+    return work_in_[r].data();
+  };
+  for (int32_t r = 1; r < ranks; ++r) {
+    if (work_[r].expert.empty()) continue;
+    if (absl::Status st = peers->Send(r, work_[r], gather(r)); !st.ok()) return st;
+  }
+  auto scatter = [&](int32_t r, const float* rows) {
+    const std::vector<int64_t>& slots = work_slots_[r];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      std::memcpy(slot_out_.data() + slots[i] * d, rows + i * d, d * sizeof(float));
     }
+  };
+  Grow(slot_out_, size_t(T) * k * d);
+  if (!work_[0].expert.empty()) {
+    Grow(local_out_, work_slots_[0].size() * d);
+    runner_.Run(c, w, work_[0], gather(0), local_out_.data(), pool);
+    scatter(0, local_out_.data());
+  }
+  for (int32_t r = 1; r < ranks; ++r) {
+    if (work_[r].expert.empty()) continue;
+    absl::StatusOr<const float*> rows =
+        peers->Receive(r, static_cast<int64_t>(work_slots_[r].size()));
+    if (!rows.ok()) return rows.status();
+    scatter(r, *rows);
   }
 
   // Each token's output: its slots' weighted outputs summed in slot order, as llama.cpp adds
@@ -191,6 +189,7 @@ void MoeFfn::Forward(const ModelConfig& c, const LayerWeights& w, const float* x
       for (int64_t i = 0; i < d; ++i) out[t * d + i] += shared_[t * d + i] * gate;
     }
   }
+  return absl::OkStatus();
 }
 
 }  // namespace tandem::engine

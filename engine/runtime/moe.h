@@ -13,14 +13,18 @@
 // shared expert scaled by sigmoid(ffn_gate_inp_shexp . x) when the model has one. act is
 // SwiGLU, or gpt-oss's clamped variant (ModelConfig::swiglu_oai); expert biases, when the
 // model has them, are added after each projection.
+//
+// Expert parallelism (engine/runtime/expert_parallel.h): given ExpertPeers, the experts other
+// ranks hold are computed there, while this rank computes its own.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "common/util/thread_pool.h"
+#include "absl/status/status.h"
 #include "engine/model/model.h"
-#include "engine/runtime/weight_matmul.h"
+#include "engine/runtime/expert_parallel.h"
 
 namespace tandem::engine {
 
@@ -40,19 +44,28 @@ void SwiGluOai(const float* gate, const float* up, float* out, int64_t n);
 
 class MoeFfn {
  public:
-  // out[T][n_embd] = the layer's MoE FFN of xn[T][n_embd] (out is overwritten).
-  void Forward(const ModelConfig& c, const LayerWeights& w, const float* xn, int64_t T, float* out,
-               util::ThreadPool* pool);
+  // out[T][n_embd] = layer `layer`'s MoE FFN of xn[T][n_embd] (out is overwritten). With
+  // peers, this rank computes only the experts the placement gives rank 0; an error is the
+  // peers' (UNAVAILABLE, DEADLINE_EXCEEDED), and out is then undefined.
+  absl::Status Forward(const ModelConfig& c, const LayerWeights& w, int32_t layer,
+                       const float* xn, int64_t T, float* out, util::ThreadPool* pool,
+                       ExpertPeers* peers = nullptr);
   // Tokens routed to each expert of the last Forward's layer, n_expert entries.
   const std::vector<int64_t>& last_expert_tokens() const { return counts_; }
 
  private:
   Routing routing_;
-  std::vector<float> logits_, in_, gate_, up_, slot_out_, shared_;
+  std::vector<float> logits_, gate_, up_, slot_out_, shared_;
   std::vector<int64_t> counts_, offsets_;
   std::vector<int64_t> rows_;  // per expert group: (token * k + slot), grouped by expert
   std::vector<int64_t> fill_;   // next free index of each expert's group while grouping
-  std::vector<Projection> gate_up_;  // a one-token step's gate and up projections
+  // Per rank: its work, the (token * k + slot) of each of its rows, its gathered inputs and
+  // (rank 0) outputs.
+  std::vector<ExpertWork> work_;
+  std::vector<std::vector<int64_t>> work_slots_;
+  std::vector<std::vector<float>> work_in_;
+  std::vector<float> local_out_;
+  ExpertRunner runner_;
 };
 
 }  // namespace tandem::engine

@@ -128,21 +128,6 @@ absl::StatusOr<Placement> PlaceExperts(const ExpertLoad& load, int32_t ranks, in
   return p;
 }
 
-absl::StatusOr<Placement> ContiguousPlacement(int32_t n_layer, int32_t n_expert, int32_t ranks) {
-  if (ranks < 1 || n_expert % ranks != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(n_expert, " experts do not split evenly over ", ranks, " ranks"));
-  }
-  Placement p;
-  p.ranks = ranks;
-  p.n_expert = n_expert;
-  const int32_t per = n_expert / ranks;
-  std::vector<std::vector<int32_t>> layer(ranks);
-  for (int32_t e = 0; e < n_expert; ++e) layer[e / per].push_back(e);
-  p.layers.assign(n_layer, layer);
-  return p;
-}
-
 double Imbalance(const ExpertLoad& load, const Placement& p, int32_t layer) {
   std::vector<int32_t> replicas(load.n_expert, 0);
   for (const auto& held : p.layers[layer]) {
@@ -156,12 +141,6 @@ double Imbalance(const ExpertLoad& load, const Placement& p, int32_t layer) {
     most = std::max(most, rank);
   }
   return total > 0 ? most / (total / p.ranks) : 1.0;
-}
-
-nlohmann::json PlacementToJson(const Placement& p) {
-  nlohmann::json layers = nlohmann::json::array();
-  for (const auto& layer : p.layers) layers.push_back(layer);
-  return {{"ranks", p.ranks}, {"n_expert", p.n_expert}, {"layers", layers}};
 }
 
 absl::Status RunPlaceExperts(const PlaceExpertsOptions& o) {
@@ -179,8 +158,8 @@ absl::Status RunPlaceExperts(const PlaceExpertsOptions& o) {
   if (!load.ok()) return load.status();
   absl::StatusOr<Placement> placed = PlaceExperts(*load, o.ranks, o.redundant);
   if (!placed.ok()) return placed.status();
-  absl::StatusOr<Placement> before = ContiguousPlacement(load->n_layer, load->n_expert, o.ranks);
-  nlohmann::json out = PlacementToJson(*placed);
+  absl::StatusOr<Placement> before = Placement::Contiguous(load->n_layer, load->n_expert, o.ranks);
+  nlohmann::json out = placed->ToJson();
   double sum_before = 0, sum_after = 0, max_before = 0, max_after = 0;
   for (int32_t l = 0; l < load->n_layer; ++l) {
     const double a = Imbalance(*load, *placed, l);

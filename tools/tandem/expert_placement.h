@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/runtime/expert_parallel.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::tools {
@@ -36,27 +37,18 @@ struct ExpertLoad {
 // there are none, or a layer/expert label is missing or not a number.
 absl::StatusOr<ExpertLoad> ParseExpertLoad(std::string_view exposition);
 
-struct Placement {
-  int32_t ranks = 0;
-  int32_t n_expert = 0;
-  // [layer][rank]: the experts in the rank's slots (an expert appears on a rank at most once).
-  std::vector<std::vector<std::vector<int32_t>>> layers;
-};
+using Placement = engine::ExpertPlacement;
 
 // INVALID_ARGUMENT unless ranks >= 1, redundant >= 0, (n_expert + redundant) divides by ranks
 // and each expert can fit its replicas on distinct ranks.
 absl::StatusOr<Placement> PlaceExperts(const ExpertLoad& load, int32_t ranks, int32_t redundant);
-// Expert e on rank e / (n_expert / ranks): the placement without load information.
-absl::StatusOr<Placement> ContiguousPlacement(int32_t n_layer, int32_t n_expert, int32_t ranks);
 
 double Imbalance(const ExpertLoad& load, const Placement& p, int32_t layer);
 
-// {"ranks": N, "n_expert": E, "layers": [[[experts of rank 0], [rank 1], ...], ...]}
-nlohmann::json PlacementToJson(const Placement& p);
 
 // `tandem place-experts`: the load of every scrape file summed, the placement written to
-// out_path as PlacementToJson (with "imbalance": per layer, before (contiguous) and after),
-// and a summary on stdout.
+// out_path as ExpertPlacement::ToJson (with "imbalance": per layer, before (contiguous) and
+// after), and a summary on stdout.
 struct PlaceExpertsOptions {
   std::vector<std::string> load_paths;  // /metrics scrapes of the workers
   int32_t ranks = 2;

@@ -55,7 +55,7 @@ TEST(ExpertPlacementTest, EveryExpertIsPlacedSlotsAreEvenAndSkewIsBalanced) {
     SCOPED_TRACE(absl::StrCat(ranks, " ranks, ", redundant, " redundant"));
     auto placed = PlaceExperts(load, ranks, redundant);
     ASSERT_TRUE(placed.ok()) << placed.status();
-    auto contiguous = ContiguousPlacement(load.n_layer, load.n_expert, ranks);
+    auto contiguous = Placement::Contiguous(load.n_layer, load.n_expert, ranks);
     ASSERT_TRUE(contiguous.ok());
     ASSERT_EQ(placed->layers.size(), 6u);
     for (int32_t l = 0; l < load.n_layer; ++l) {
@@ -78,7 +78,9 @@ TEST(ExpertPlacementTest, EveryExpertIsPlacedSlotsAreEvenAndSkewIsBalanced) {
       EXPECT_GE(after, 1.0);
       // The hottest expert alone holds 10000 of ~27600 tokens (s = 1.2 over 32): without
       // replicas a rank carrying it is at least that loaded; with them the ranks even out.
-      if (redundant >= ranks) EXPECT_LT(after, 1.1) << "layer " << l;
+      if (redundant >= ranks) {
+        EXPECT_LT(after, 1.1) << "layer " << l;
+      }
     }
   }
 }
@@ -98,7 +100,7 @@ TEST(ExpertPlacementTest, SmallCaseByHand) {
     EXPECT_NE(std::find(held.begin(), held.end(), 0), held.end()) << "expert 0 on every rank";
     EXPECT_NE(std::find(held.begin(), held.end(), 7), held.end()) << "expert 7 on every rank";
   }
-  const nlohmann::json j = PlacementToJson(*two);
+  const nlohmann::json j = two->ToJson();
   EXPECT_EQ(j["ranks"], 2);
   EXPECT_EQ(j["layers"][0].size(), 2u);
 }
