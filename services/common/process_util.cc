@@ -87,6 +87,13 @@ int WaitForTerminationSignal() {
   return sig;
 }
 
+int WaitForTerminationSignalFor(int timeout_ms) {
+  sigset_t s = TerminationSignals();
+  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  const int sig = sigtimedwait(&s, nullptr, &ts);
+  return sig > 0 ? sig : 0;
+}
+
 std::string DefaultWorkerId(std::string_view role) {
   char host[256] = {};
   if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "host");

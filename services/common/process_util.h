@@ -29,6 +29,8 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 void BlockTerminationSignals();
 // Waits for SIGTERM or SIGINT; returns the signal number.
 int WaitForTerminationSignal();
+// The same for at most timeout_ms; 0 when none came (or the wait was interrupted).
+int WaitForTerminationSignalFor(int timeout_ms);
 
 // "<role>-<hostname>-<pid>": unique per process on a host, readable in logs.
 std::string DefaultWorkerId(std::string_view role);

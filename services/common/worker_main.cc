@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -86,6 +87,20 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
                  "serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
       ->check(CLI::Range(0, 65535));
   AddTlsFlags(app, &f->tls);
+  app.add_option("--ep-size", f->ep_size,
+                 "expert parallelism: this worker is one of a group of N processes that split "
+                 "an MoE model's experts (rank 0 serves requests; the others hold experts only)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ep-rank", f->ep_rank, "this process's rank in its group (0: the leader)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--ep-leader", f->ep_leader,
+                 "an expert rank's leader: HOST:PORT of rank 0's gRPC server");
+  app.add_option("--expert-placement", f->expert_placement,
+                 "which rank holds which experts: a `tandem place-experts` file (default: "
+                 "contiguous); every rank of a group takes the same one");
+  app.add_option("--ep-timeout-ms", f->ep_timeout_ms,
+                 "deadline of every exchange between the ranks of a group")
+      ->check(CLI::PositiveNumber);
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
@@ -101,6 +116,16 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
     if (absl::StatusOr<std::vector<RouterEndpoint>> r = ParseRouterList(f->router); !r.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--router: ", r.status().message()));
     }
+  }
+  if (f->ep_rank >= f->ep_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ep-rank ", f->ep_rank, " is not below --ep-size ", f->ep_size));
+  }
+  if (f->ep_rank > 0 && f->ep_leader.empty()) {
+    return absl::InvalidArgumentError("--ep-rank >= 1 needs --ep-leader (rank 0's HOST:PORT)");
+  }
+  if (f->ep_size > 1 && f->device != "cpu") {
+    return absl::InvalidArgumentError("expert parallelism runs on the CPU engine only");
   }
   // Before any server or channel exists: they take the process's TLS settings.
   if (absl::Status st = SetProcessTls(f->tls); !st.ok()) return st;
@@ -121,6 +146,56 @@ absl::StatusOr<engine::SpeculativeOptions> SpeculativeFromFlags(const WorkerFlag
 engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& f, bool* measure) {
   *measure = f.device == "cpu" && (f.peak_read_gbs <= 0 || f.peak_gflops <= 0);
   return {f.peak_read_gbs, f.peak_gflops};
+}
+
+absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& f,
+                                                           int32_t n_layer, int32_t n_expert) {
+  if (n_expert == 0) {
+    return absl::InvalidArgumentError("--ep-size > 1 needs an MoE model (this one has no experts)");
+  }
+  if (!f.expert_placement.empty()) {
+    return engine::ExpertPlacement::ReadFile(f.expert_placement, n_layer, n_expert, f.ep_size);
+  }
+  return engine::ExpertPlacement::Contiguous(n_layer, n_expert, f.ep_size);
+}
+
+absl::StatusOr<WorkerModel> LoadWorkerModel(const WorkerFlags& f,
+                                            transfer::KvTransport* transport) {
+  WorkerModel wm;
+  if (f.ep_size <= 1) {
+    absl::StatusOr<std::unique_ptr<engine::Model>> m = engine::Model::Load(f.model_path);
+    if (!m.ok()) return m.status();
+    wm.model = std::move(*m);
+    return wm;
+  }
+  if (transport == nullptr) {
+    return absl::InvalidArgumentError("--ep-size > 1 needs a KV transport (ucx)");
+  }
+  absl::StatusOr<std::unique_ptr<gguf::GgufFile>> file = gguf::GgufFile::Open(f.model_path);
+  if (!file.ok()) return file.status();
+  absl::StatusOr<engine::ModelConfig> config = engine::ModelConfig::FromGguf(**file);
+  if (!config.ok()) return config.status();
+  file->reset();
+  absl::StatusOr<engine::ExpertPlacement> placement =
+      PlacementFromFlags(f, config->n_layer, config->n_expert);
+  if (!placement.ok()) return placement.status();
+  engine::ModelLoadOptions lo;
+  lo.holds_expert = [p = *placement](int32_t l, int32_t e) { return p.Holds(0, l, e); };
+  absl::StatusOr<std::unique_ptr<engine::Model>> m = engine::Model::Load(f.model_path, lo);
+  if (!m.ok()) return m.status();
+  wm.model = std::move(*m);
+  ExpertGroupOptions go;
+  go.transport = transport;
+  go.placement = std::move(*placement);
+  go.model = wm.model.get();
+  go.model_name = std::filesystem::path(f.model_path).filename().string();
+  go.capacity_rows = int64_t{f.max_batch_tokens} * config->n_expert_used;
+  go.timeout = absl::Milliseconds(f.ep_timeout_ms);
+  go.worker_id = f.worker_id;
+  absl::StatusOr<std::unique_ptr<ExpertGroup>> g = ExpertGroup::Create(std::move(go));
+  if (!g.ok()) return g.status();
+  wm.group = std::move(*g);
+  return wm;
 }
 
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& f) {
@@ -166,6 +241,13 @@ absl::StatusOr<std::unique_ptr<transfer::KvTransport>> TransportFromFlags(
   return transfer::MaybeInjectFaults(std::move(*t), fo);
 }
 
+void ServeExpertGroup(ExpertGroup* group, ServeOptions* so) {
+  if (group == nullptr) return;
+  so->extra_services.push_back(group);
+  so->ready = [group] { return group->complete(); };
+  so->on_drain = [group] { group->Shutdown(); };
+}
+
 int FailWorker(const std::string& binary, const std::string& what, const absl::Status& st) {
   std::fprintf(stderr, "%s: %s: %s\n", binary.c_str(), what.c_str(), st.ToString().c_str());
   return 1;
@@ -180,6 +262,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   so.host = f.host;
   so.port = f.port;
   so.services = {o.service, &card_service};
+  so.services.insert(so.services.end(), o.extra_services.begin(), o.extra_services.end());
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(so);
   if (!server.ok()) return FailWorker(o.binary, "starting the gRPC server", server.status());
   const int bound = (*server)->port();
@@ -209,7 +292,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   }
   std::fflush(stdout);
 
-  std::unique_ptr<RegistrySet> registration;
+  std::optional<RegistrySetOptions> registry_options;
   if (!f.router.empty()) {
     absl::StatusOr<std::vector<RouterEndpoint>> routers = ParseRouterList(f.router);
     if (!routers.ok()) return FailWorker(o.binary, "--router", routers.status());
@@ -228,12 +311,38 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
     ro.registration.set_ctx_size(f.ctx_size);
     ro.registration.set_model_card_hash(card_service.card().card_hash());
     ro.stats = o.stats;
-    absl::StatusOr<std::unique_ptr<RegistrySet>> r = RegistrySet::Start(rs);
-    if (!r.ok()) return FailWorker(o.binary, "--router", r.status());
-    registration = std::move(*r);
+    registry_options = std::move(rs);
   }
+  std::unique_ptr<RegistrySet> registration;
+  bool ready = !o.ready || o.ready();
+  auto follow_readiness = [&]() -> absl::Status {
+    (*server)->SetServing(ready);
+    if (ready && registry_options && !registration) {
+      absl::StatusOr<std::unique_ptr<RegistrySet>> r = RegistrySet::Start(*registry_options);
+      if (!r.ok()) return r.status();
+      registration = std::move(*r);
+    } else if (!ready && registration) {
+      registration->Stop();  // deregisters: no router chooses a worker that cannot serve
+      registration.reset();
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status st = follow_readiness(); !st.ok()) return FailWorker(o.binary, "--router", st);
 
-  const int sig = WaitForTerminationSignal();
+  int sig = 0;
+  if (!o.ready) {
+    sig = WaitForTerminationSignal();
+  } else {
+    while ((sig = WaitForTerminationSignalFor(50)) == 0) {
+      if (o.ready() == ready) continue;
+      ready = !ready;
+      std::fprintf(stderr, "%s: worker %s is %s\n", o.binary.c_str(), f.worker_id.c_str(),
+                   ready ? "ready: registering" : "not ready: deregistering");
+      if (absl::Status st = follow_readiness(); !st.ok()) {
+        std::fprintf(stderr, "%s: --router: %s\n", o.binary.c_str(), st.ToString().c_str());
+      }
+    }
+  }
   const absl::Time signalled = absl::Now();
   const absl::Time deadline = signalled + absl::Milliseconds(f.grace_ms);
   std::fprintf(stderr, "%s: signal %d: draining (grace %d ms)\n", o.binary.c_str(), sig,
@@ -248,6 +357,7 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   while (o.pending_work && (pending = o.pending_work()) > 0 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
   }
+  if (o.on_drain) o.on_drain();
   (*server)->Shutdown(std::max(absl::ZeroDuration(), deadline - absl::Now()));
   metrics_server.reset();  // after the drain, so its last counts can still be scraped
   const std::string unclaimed =

@@ -25,6 +25,7 @@
 #include "common/transfer/transfer.h"
 #include "engine/runtime/engine.h"
 #include "engine/spec/proposer.h"
+#include "services/common/expert_group.h"
 #include "services/common/metrics.h"
 #include "services/common/nccl_join.h"
 #include "services/common/tls.h"
@@ -80,6 +81,14 @@ struct WorkerFlags {
   // corrupt one bit of every Nth KV write this worker sends
   // (common/transfer/fault_injection.h). 0: off.
   int test_fault_flip_bit_every = 0;
+  // Expert parallelism (expert_group.h): this worker is rank ep_rank of a group of ep_size
+  // processes. Rank 0 is the worker the router sees; ranks >= 1 hold only experts and join
+  // rank 0 at ep_leader (HOST:PORT, its gRPC address).
+  int ep_size = 1;
+  int ep_rank = 0;
+  std::string ep_leader;
+  std::string expert_placement;  // a `tandem place-experts` file; empty: contiguous
+  int ep_timeout_ms = 10000;     // every exchange between the ranks
 };
 
 // How one binary words and bounds the shared flags.
@@ -107,6 +116,21 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* flags
 // "device cuda: no CUDA device is visible ..." (or "... built without CUDA") for --device cuda
 // on a machine or build without a GPU.
 absl::Status CheckWorkerDevice(const WorkerFlags& flags);
+
+// The placement --ep-size and --expert-placement describe for a model of this shape.
+absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& flags,
+                                                           int32_t n_layer, int32_t n_expert);
+
+// The worker's model, and with --ep-size > 1 its expert group: the model then holds only rank
+// 0's experts, and the group (borrowing `transport`) computes the rest on the other ranks; give
+// it to the engine (EngineOptions::expert_peers) and serve it (ServeOptions::extra_services,
+// ready). INVALID_ARGUMENT for EP flags that do not fit (a dense model, no transport, ...).
+struct WorkerModel {
+  std::unique_ptr<engine::Model> model;
+  std::unique_ptr<ExpertGroup> group;
+};
+absl::StatusOr<WorkerModel> LoadWorkerModel(const WorkerFlags& flags,
+                                            transfer::KvTransport* transport);
 
 // The engine options the shared flags describe.
 engine::EngineOptions EngineOptionsFromFlags(const WorkerFlags& flags);
@@ -139,6 +163,15 @@ struct ServeOptions {
   // the router made just before the worker deregistered is served, not refused. Empty: none.
   // Called on the signal-waiting thread; must be thread-safe.
   std::function<int()> pending_work;
+  // More services on the same server (an expert group's). Borrowed.
+  std::vector<grpc::Service*> extra_services;
+  // Whether the worker can serve now (an expert group: every rank is in). Empty: always. While
+  // false the worker is not registered with the routers and its health is NOT_SERVING; it
+  // registers when this turns true, and deregisters when it turns false again. Polled every
+  // 50 ms on the signal-waiting thread; must be thread-safe.
+  std::function<bool()> ready;
+  // Runs when the drain begins, before the server stops (ends an expert group's Join streams).
+  std::function<void()> on_drain;
 };
 
 // Serves `o.service` and the model's card (model_card.h: a router without the model file learns the
@@ -150,8 +183,12 @@ struct ServeOptions {
 // briefly for those the router chose it for before that and while o.pending_work() > 0, then stops
 // accepting, lets in-flight calls finish, cancels what is left at the deadline and returns 0.
 // Returns 1 after printing "<binary>: <what>: <error>" when the model card, the server, the metrics
-// endpoint, the port file or the registration cannot start.
+// endpoint, the port file or the registration cannot start. With o.ready, registration follows it.
 int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);
+
+// Serves an expert group (when there is one) through `so`: its Join service, readiness and
+// drain.
+void ServeExpertGroup(ExpertGroup* group, ServeOptions* so);
 
 // Prints "<binary>: <what>: <status>" to stderr and returns 1, the exit code.
 int FailWorker(const std::string& binary, const std::string& what, const absl::Status& st);

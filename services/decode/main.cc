@@ -63,11 +63,7 @@ int Main(int argc, char** argv) {
   if (absl::Status st = services::CheckWorkerDevice(flags); !st.ok()) {
     return services::FailWorker(kBinary, absl::StrCat("--device ", flags.device), st);
   }
-  absl::StatusOr<std::unique_ptr<engine::Model>> model = engine::Model::Load(flags.model_path);
-  if (!model.ok()) {
-    return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
-                                model.status());
-  }
+  if (flags.ep_rank > 0) return services::RunExpertRank(flags, kBinary);
   if (flags.transport == "nccl" && flags.port == 0) {
     return services::FailWorker(
         kBinary, "--transport nccl",
@@ -79,6 +75,14 @@ int Main(int argc, char** argv) {
       services::TransportFromFlags(flags, &kv_join);
   if (!kv_transport.ok())
     return services::FailWorker(kBinary, "--transport", kv_transport.status());
+
+  // With --ep-size > 1: rank 0's experts, and the group that runs the others.
+  absl::StatusOr<services::WorkerModel> model =
+      services::LoadWorkerModel(flags, kv_transport->get());
+  if (!model.ok()) {
+    return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
+                                model.status());
+  }
 
   // Before the worker, so it is closed after the worker has stopped.
   absl::StatusOr<std::unique_ptr<trace::Tracer>> tracer = services::OpenTrace(flags.trace, kBinary);
@@ -92,8 +96,9 @@ int Main(int argc, char** argv) {
   wo.tracer = tracer->get();
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path), role,
                                    kv_transport->get());
-  wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
+  wo.model = std::shared_ptr<const engine::Model>(std::move(model->model));
   wo.engine = services::EngineOptionsFromFlags(flags);
+  wo.engine.expert_peers = model->group.get();
   wo.worker_id = flags.worker_id;
   wo.transport = kv_transport->get();
   wo.default_lease = absl::Milliseconds(lease_ms);
@@ -128,6 +133,7 @@ int Main(int argc, char** argv) {
   so.metrics = &metrics;
   // On SIGTERM, reservations made just before deregistering still get their Decode.
   so.pending_work = [w] { return w->Stats().reservations(); };
+  services::ServeExpertGroup(model->group.get(), &so);
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
   return rc;

@@ -79,11 +79,7 @@ int Main(int argc, char** argv) {
   if (absl::Status st = services::CheckWorkerDevice(flags); !st.ok()) {
     return services::FailWorker(kBinary, absl::StrCat("--device ", flags.device), st);
   }
-  absl::StatusOr<std::unique_ptr<engine::Model>> model = engine::Model::Load(flags.model_path);
-  if (!model.ok()) {
-    return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
-                                model.status());
-  }
+  if (flags.ep_rank > 0) return services::RunExpertRank(flags, kBinary);
   absl::StatusOr<std::unique_ptr<transfer::KvTransport>> kv_transport =
       services::TransportFromFlags(flags);
   if (!kv_transport.ok())
@@ -103,6 +99,14 @@ int Main(int argc, char** argv) {
     store_transport = std::move(*t);
   }
 
+  // With --ep-size > 1: rank 0's experts, and the group that runs the others.
+  absl::StatusOr<services::WorkerModel> model =
+      services::LoadWorkerModel(flags, kv_transport->get());
+  if (!model.ok()) {
+    return services::FailWorker(kBinary, absl::StrCat("loading ", flags.model_path),
+                                model.status());
+  }
+
   // Before the worker, so it is closed after the worker has stopped.
   absl::StatusOr<std::unique_ptr<trace::Tracer>> tracer = services::OpenTrace(flags.trace, kBinary);
   if (!tracer.ok()) return services::FailWorker(kBinary, "--trace", tracer.status());
@@ -115,8 +119,9 @@ int Main(int argc, char** argv) {
   wo.tracer = tracer->get();
   services::ExportTransportMetrics(&metrics, services::ModelNameFromPath(flags.model_path),
                                    "prefill", kv_transport->get());
-  wo.model = std::shared_ptr<const engine::Model>(std::move(*model));
+  wo.model = std::shared_ptr<const engine::Model>(std::move(model->model));
   wo.engine = services::EngineOptionsFromFlags(flags);
+  wo.engine.expert_peers = model->group.get();
   wo.worker_id = flags.worker_id;
   wo.transport = kv_transport->get();
   wo.kvstore_transport = store_transport.get();
@@ -151,6 +156,7 @@ int Main(int argc, char** argv) {
   prefill::PrefillWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
   so.metrics = &metrics;
+  services::ServeExpertGroup(model->group.get(), &so);
   const int rc = services::ServeWorker(flags, so);
   worker->reset();
   store_transport.reset();
