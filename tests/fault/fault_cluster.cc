@@ -224,7 +224,7 @@ FaultCluster::~FaultCluster() {
 
 std::vector<std::string> FaultCluster::WorkerArgs(const std::string& role,
                                                   const std::string& name) const {
-  std::vector<std::string> a = {"--model",     FaultModelPath().string(),
+  std::vector<std::string> a = {"--model",     model(),
                                 "--host",      "127.0.0.1",
                                 "--port",      "0",
                                 "--port-file", (dir_ / (name + ".port")).string(),
@@ -234,8 +234,10 @@ std::vector<std::string> FaultCluster::WorkerArgs(const std::string& role,
                                 "--transport", "ucx",
                                 "--ucx-tls",   "shm",
                                 "--ctx-size",  std::to_string(o_.ctx_size)};
+  const int ep = role == "decode" ? o_.decode_ep : o_.prefill_ep;
+  if (ep > 1) a.insert(a.end(), {"--ep-size", std::to_string(ep)});
   if (role == "decode") {
-    a.insert(a.end(), {"--role", "decode"});
+    a.insert(a.end(), {"--role", o_.decode_role});
     a.insert(a.end(), o_.decode_args.begin(), o_.decode_args.end());
   } else {
     if (o_.kvstore) a.insert(a.end(), {"--kvstore", absl::StrCat("127.0.0.1:", kvstore_port_)});
@@ -247,7 +249,18 @@ std::vector<std::string> FaultCluster::WorkerArgs(const std::string& role,
   return a;
 }
 
+const std::string& FaultCluster::model() const {
+  static const std::string fallback = FaultModelPath().string();
+  return o_.model.empty() ? fallback : o_.model;
+}
+
 absl::Status FaultCluster::Spawn(Proc& p, absl::Time deadline) {
+  if (p.port_file.empty()) {
+    p.child = std::make_unique<ChildProcess>(p.binary, p.args, (dir_ / (p.name + ".log")).string());
+    return ProcessRunning(p.child->pid())
+               ? absl::OkStatus()
+               : absl::UnavailableError(absl::StrCat(p.name, " exited at once"));
+  }
   fs::remove(p.port_file);
   const std::string log =
       (dir_ / (p.name == "kvstore" && kvstore_starts_ > 0
@@ -284,7 +297,7 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
     const bool without_model =
         std::find(o_.routers_without_model.begin(), o_.routers_without_model.end(), i) !=
         o_.routers_without_model.end();
-    if (!without_model) router->args = {"--model", FaultModelPath().string()};
+    if (!without_model) router->args = {"--model", model()};
     router->args.insert(router->args.end(),
                         {"--host", "127.0.0.1", "--port", "0", "--port-file", router->port_file,
                          "--lease-ms", std::to_string(o_.lease_ms), "--ctx-size",
@@ -331,7 +344,21 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
       w->port_file = (dir_ / (w->name + ".port")).string();
       w->args = WorkerArgs(role, w->name);
       procs_.push_back(std::move(w));
-      if (absl::Status st = Spawn(*procs_.back(), deadline); !st.ok()) return st;
+      Proc& leader = *procs_.back();
+      if (absl::Status st = Spawn(leader, deadline); !st.ok()) return st;
+      const int ep = role == "decode" ? o_.decode_ep : o_.prefill_ep;
+      for (int r = 1; r < ep; ++r) {
+        auto rank = std::make_unique<Proc>();
+        rank->name = absl::StrCat(leader.name, "-ep", r);
+        rank->role = "expert-rank";
+        rank->binary = leader.binary;
+        rank->args = WorkerArgs(role, rank->name);
+        rank->args.insert(rank->args.end(),
+                          {"--ep-rank", std::to_string(r), "--ep-leader",
+                           absl::StrCat("127.0.0.1:", leader.port)});
+        procs_.push_back(std::move(rank));
+        if (absl::Status st = Spawn(*procs_.back(), deadline); !st.ok()) return st;
+      }
     }
   }
   const std::vector<std::string> names = worker_names();
@@ -374,6 +401,18 @@ std::vector<std::string> FaultCluster::worker_names() const {
     if (p->role == "prefill" || p->role == "decode") out.push_back(p->name);
   }
   return out;
+}
+
+absl::Status FaultCluster::RestartExpertRank(const std::string& name) {
+  for (auto& p : procs_) {
+    if (p->name != name || p->role != "expert-rank") continue;
+    if (p->child != nullptr && ProcessRunning(p->child->pid())) {
+      return absl::FailedPreconditionError(absl::StrCat(name, " is still running"));
+    }
+    if (p->child != nullptr) p->child->Wait(absl::Seconds(5));
+    return Spawn(*p, absl::Now() + absl::Seconds(10));
+  }
+  return absl::NotFoundError(absl::StrCat("no expert rank ", name));
 }
 
 void FaultCluster::KillKvstore() {

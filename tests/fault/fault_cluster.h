@@ -56,6 +56,15 @@ struct FaultClusterOptions {
   int routers = 1;
   // Indexes of the routers started without --model (they learn it from the workers' cards).
   std::vector<int> routers_without_model;
+  // The model every process serves (empty: FaultModelPath()).
+  std::string model;
+  // --role of the decode workers: "decode", or "both" (colocated: prefill 0 then suffices).
+  std::string decode_role = "decode";
+  // Expert parallelism: each worker of the role is a group of this many processes, rank 0
+  // the worker ("decode-0") and the expert ranks "decode-0-ep1", ... (started once rank 0
+  // serves; not workers: worker_names() leaves them out). 1: no groups.
+  int prefill_ep = 1;
+  int decode_ep = 1;
   // Runs after the routers (and the kvstore) serve, before any worker starts.
   std::function<void(FaultCluster&)> before_workers;
 };
@@ -133,6 +142,9 @@ class FaultCluster {
   pid_t pid(const std::string& name);
   std::vector<std::string> worker_names() const;
 
+  // Starts an expert rank again after it died (the same flags); returns once it runs.
+  absl::Status RestartExpertRank(const std::string& name);
+
   // SIGKILLs the kvstore and reaps it; Restart starts it again on the same port and SSD
   // directory and waits until it serves.
   void KillKvstore();
@@ -159,12 +171,13 @@ class FaultCluster {
   struct Proc {
     std::string name, role, binary;
     std::vector<std::string> args;
-    std::string port_file;
+    std::string port_file;  // empty: the process serves no port (an expert rank)
     int port = 0;
     std::unique_ptr<ChildProcess> child;
   };
   absl::Status Spawn(Proc& p, absl::Time deadline);
   std::vector<std::string> WorkerArgs(const std::string& role, const std::string& name) const;
+  const std::string& model() const;
 
   FaultClusterOptions o_;
   std::filesystem::path dir_;

@@ -7,9 +7,13 @@
 //   (`tandem generate`), each migration counted in the router's tandem_migrations_total;
 // - a prefill worker dies while prefills run on it: the router releases their decode
 //   reservations and retries on the other prefill worker; every request completes identically.
+// - an expert rank of a decode group (--ep-size 2) dies mid-stream: its leader fails the steps
+//   at once, deregisters, and the router migrates the streams; every request completes
+//   identically, and the group serves again once the rank is back.
 // After each, the surviving workers return to their idle baseline (nothing running or reserved,
 // every KV block free, nothing in flight at the router). Prints the recovery time.
-// Skips without ../shared/models.
+// The expert-parallel cases run a tiny random MoE model written here; the others skip without
+// ../shared/models.
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -30,6 +34,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/tiny_model.h"
 #include "tests/fault/fault_cluster.h"
 
 namespace tandem::testing {
@@ -48,7 +53,8 @@ struct Reference {
 };
 
 // `tandem generate --json` for a greedy request, in a process of its own.
-Reference CliReference(const std::string& prompt, int max_tokens) {
+Reference CliReference(const std::string& prompt, int max_tokens,
+                       const std::string& model = FaultModelPath().string()) {
   Reference r;
   const fs::path out = fs::temp_directory_path() / absl::StrCat("tandem-kill-ref-", getpid(), "-",
                                                                 std::hash<std::string>{}(prompt));
@@ -57,7 +63,7 @@ Reference CliReference(const std::string& prompt, int max_tokens) {
   quoted += "'";
   const std::string cmd =
       absl::StrCat("timeout -k 5 60 ", TANDEM_BIN_DIR, "/tandem generate --model '",
-                   FaultModelPath().string(), "' --prompt ", quoted, " --max-tokens ", max_tokens,
+                   model, "' --prompt ", quoted, " --max-tokens ", max_tokens,
                    " --temperature 0 --ignore-eos --threads 1 --ctx-size ", kCtx, " --json >",
                    out.string(), " 2>&1");
   const int st = std::system(cmd.c_str());
@@ -327,6 +333,162 @@ TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksN
                "prefill-0 SIGKILLed with %d prefills in flight: every request completed on "
                "prefill-1; recovery_ms=%.0f (kill -> the last request done)\n",
                inflight, absl::ToDoubleMilliseconds(last_done - killed));
+}
+
+// Expert parallelism: a tiny random qwen3moe model (4 layers, 8 experts, top 2), each worker a
+// group of two processes, rank 1 holding experts 4-7.
+class ExpertGroupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    TinyModelOptions o;
+    o.arch = "qwen3moe";
+    o.n_layer = 4;
+    o.n_embd = 128;
+    o.n_ff = 128;
+    o.n_expert = 8;
+    o.n_expert_used = 2;
+    o.n_ctx = kCtx;
+    model_ = (fs::temp_directory_path() / absl::StrCat("tandem-ep-", getpid(), ".gguf")).string();
+    ASSERT_TRUE(WriteTinyModel(o, model_).ok());
+  }
+  void TearDown() override { fs::remove(model_); }
+
+  FaultClusterOptions Options(const std::string& name) const {
+    FaultClusterOptions o;
+    o.name = name;
+    o.model = model_;
+    o.ctx_size = kCtx;
+    return o;
+  }
+
+  std::string model_;
+};
+
+// EP=2 gives the tokens of one process (`tandem generate`), through the cluster (prefill and
+// decode each a group of two) and on a colocated worker (one group prefills and decodes).
+TEST_F(ExpertGroupTest, TwoRankGroupsGiveTheTokensOfOneProcess) {
+  const std::vector<std::string> prompts = {"Once upon a time", "The knight said"};
+  std::vector<Reference> refs;
+  for (const std::string& p : prompts) {
+    refs.push_back(CliReference(p, 40, model_));
+    ASSERT_TRUE(refs.back().ok) << refs.back().error;
+  }
+  for (bool colocated : {false, true}) {
+    SCOPED_TRACE(colocated ? "colocated" : "disaggregated");
+    FaultClusterOptions o = Options(colocated ? "ep-colocated" : "ep-disagg");
+    if (colocated) {
+      o.prefill = 0;
+      o.decode_role = "both";
+    } else {
+      o.prefill_ep = 2;
+    }
+    o.decode_ep = 2;
+    FaultCluster cluster(o);
+    absl::Status st = cluster.Start();
+    ASSERT_TRUE(st.ok()) << st;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      Stream s;
+      RunStream(cluster, GreedyRequest(prompts[i], 40, /*ignore_eos=*/true), &s);
+      ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+      EXPECT_EQ(s.tokens, refs[i].tokens) << prompts[i];
+      EXPECT_EQ(s.text, refs[i].text);
+      for (const std::string& w : s.decode_workers) EXPECT_EQ(w, "decode-0");
+    }
+  }
+}
+
+// SIGKILL the expert rank of the decode group the streams run on: its leader fails them at
+// the next step (UNAVAILABLE, no wait for a deadline), the router migrates each to the other
+// group, and every request completes with the one-process tokens. The leader stays up,
+// deregisters while its group is incomplete, leaks no KV block, and registers again once the
+// rank is restarted.
+TEST_F(ExpertGroupTest, SigkilledExpertRankMidStreamRequestsMigrateAndTheGroupRecovers) {
+  constexpr int kStreams = 4;
+  constexpr int kTokens = 600;
+  std::vector<std::string> prompts;
+  std::vector<Reference> refs;
+  for (int i = 0; i < kStreams; ++i) {
+    prompts.push_back(absl::StrCat("Stream ", i, ": once upon a time"));
+    refs.push_back(CliReference(prompts.back(), kTokens, model_));
+    ASSERT_TRUE(refs.back().ok) << refs.back().error;
+  }
+  const int metrics_port = FreePort();
+  FaultClusterOptions o = Options("ep-kill");
+  o.decode = 2;
+  o.decode_ep = 2;
+  o.router_args = {"--metrics-port", std::to_string(metrics_port), "--max-migrations", "3"};
+  o.decode_args = {"--quarantine-ms", "500", "--ep-timeout-ms", "5000"};
+  FaultCluster cluster(o);
+  absl::Status started = cluster.Start();
+  ASSERT_TRUE(started.ok()) << started;
+
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    streams.push_back(std::make_unique<Stream>());
+    threads.emplace_back([&, i] {
+      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
+    });
+  }
+  const bool all_started = WaitFor(absl::Seconds(30), [&] {
+    for (auto& s : streams) {
+      if (s->seen < 20 && !s->done) return false;
+    }
+    return true;
+  }, absl::Milliseconds(2));
+  const std::string leader = "decode-0", victim = "decode-0-ep1";
+  std::vector<bool> on_victim(kStreams, false);
+  for (int i = 0; i < kStreams; ++i) {
+    on_victim[i] = !streams[i]->done && CurrentDecodeWorker(*streams[i]) == leader;
+  }
+  ChildProcess* proc = cluster.process(victim);
+  ASSERT_NE(proc, nullptr);
+  proc->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  // The leader deregisters promptly (it saw the rank's Join stream close).
+  EXPECT_TRUE(WaitFor(absl::Seconds(3), [&] { return !cluster.Registered(leader); }))
+      << leader << " still registered after its expert rank died";
+  for (std::thread& t : threads) t.join();
+  ASSERT_TRUE(all_started) << "the streams did not start in time";
+
+  int expected = 0;
+  double worst_ms = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    Stream& s = *streams[i];
+    SCOPED_TRACE(absl::StrCat("stream ", i));
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_TRUE(s.finished);
+    EXPECT_EQ(s.tokens, refs[i].tokens);  // no gap, no duplicate, same greedy choice
+    EXPECT_EQ(s.text, refs[i].text);
+    EXPECT_EQ(s.usage.completion_tokens(), kTokens);
+    if (!on_victim[i]) continue;
+    ++expected;
+    EXPECT_EQ(s.decode_workers.back(), "decode-1");
+    for (size_t m = 0; m < s.arrivals.size(); ++m) {
+      if (s.arrivals[m] > killed && s.decode_workers[m] == "decode-1") {
+        worst_ms = std::max(worst_ms, absl::ToDoubleMilliseconds(s.arrivals[m] - killed));
+        break;
+      }
+    }
+  }
+  ASSERT_GE(expected, 1) << "no stream was running on " << leader << " when its rank died";
+  EXPECT_GE(RouterMetric(metrics_port, "tandem_migrations_total"), expected);
+  EXPECT_TRUE(ProcessRunning(cluster.pid(leader))) << "the leader exited with its rank";
+
+  // Nothing leaks on the leader: its failed sequences freed their blocks.
+  std::string why;
+  EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(20), &why, {"prefill-0", "decode-0", "decode-1"}))
+      << why;
+  // The rank comes back: the group is whole and serves again.
+  absl::Status again = cluster.RestartExpertRank(victim);
+  ASSERT_TRUE(again.ok()) << again;
+  EXPECT_TRUE(WaitFor(absl::Seconds(20), [&] { return cluster.Registered(leader); }))
+      << leader << " did not register again once its rank was back";
+  std::fprintf(stderr,
+               "%s SIGKILLed with %d of %d streams on its group: all migrated to decode-1; "
+               "recovery_ms=%.0f (kill -> first token from decode-1, worst)\n",
+               victim.c_str(), expected, kStreams, worst_ms);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@
 #include "tandem/v1/inference.grpc.pb.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "tests/fakes/shell_util.h"
+#include "tests/fakes/tiny_model.h"
 
 namespace {
 
@@ -171,11 +172,12 @@ std::vector<Completion> References(bool seeded) {
 
 class Cluster {
  public:
-  Cluster(const std::string& name, int prefill, int decode, const std::string& extra = "") {
+  Cluster(const std::string& name, int prefill, int decode, const std::string& extra = "",
+          const fs::path& model = kModel) {
     dir_ = fs::temp_directory_path() / absl::StrCat("tandem-cluster-", getpid(), "-", name);
     fs::remove_all(dir_);
     const Result r = RunTandem(
-        absl::StrCat("cluster up --model ", Quote(kModel.string()), " --prefill ", prefill,
+        absl::StrCat("cluster up --model ", Quote(model.string()), " --prefill ", prefill,
                      " --decode ", decode, " --dir ", Quote(dir_.string()),
                      " --router-port 0 --http-port 0 --threads 1 --transport ucx --ucx-tls shm",
                      " --ctx-size ", kCtx, " --lease-ms 2000 --timeout-ms 90000", extra),
@@ -539,6 +541,52 @@ TEST_F(ClusterTest, TwoRoutersBothKnowEveryWorkerAndServe) {
   ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_NE(text.out.find("router-1"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("kvstore: none"), std::string::npos) << text.out;
+}
+
+// --ep 2 / --prefill-ep 2 on an MoE model: every prefill and decode worker is a group of two
+// processes (the expert ranks listed as such, not registered), and the greedy tokens are those
+// of one process. A colocated worker (--ep 2 alone) gives them too.
+TEST_F(ClusterTest, ExpertParallelGroupsMatchGenerate) {
+  ::tandem::testing::TinyModelOptions mo;
+  mo.arch = "qwen3moe";
+  mo.n_layer = 3;
+  mo.n_expert = 8;
+  mo.n_expert_used = 2;
+  mo.n_ctx = kCtx;
+  const fs::path model = fs::temp_directory_path() / absl::StrCat("tandem-ep-", getpid(), ".gguf");
+  ASSERT_TRUE(::tandem::testing::WriteTinyModel(mo, model.string()).ok());
+  const std::string flags = " --prompt 'The dragon' --max-tokens 32 --temperature 0";
+  Result gen =
+      RunTandem(absl::StrCat("generate --model ", Quote(model.string()), flags, " --threads 1"));
+  ASSERT_EQ(gen.exit_code, 0) << gen.err;
+  for (const std::string extra :
+       {" --ep 2 --prefill-ep 2 --kvstore 0", " --ep 2 --colocated 1 --kvstore 0"}) {
+    SCOPED_TRACE(extra);
+    const bool colocated = extra.find("colocated") != std::string::npos;
+    Cluster cluster(colocated ? "ep-colocated" : "ep", colocated ? 0 : 1, colocated ? 0 : 1,
+                    extra, model);
+    ASSERT_TRUE(cluster.up()) << cluster.error();
+    Result cli = RunTandem(absl::StrCat("client --router ", cluster.router(), flags));
+    ASSERT_EQ(cli.exit_code, 0) << cli.err;
+    EXPECT_EQ(cli.out, gen.out);
+    Result status = RunTandem(absl::StrCat("cluster status --json --dir ", Quote(cluster.dir())));
+    ASSERT_EQ(status.exit_code, 0) << status.err;
+    int ranks = 0, workers = 0;
+    const json state = json::parse(status.out);
+    for (const json& p : state["processes"]) {
+      EXPECT_TRUE(p["alive"].get<bool>()) << p["name"];
+      if (p["role"] == "expert-rank") {
+        ++ranks;
+        EXPECT_FALSE(p["registered"].get<bool>()) << p["name"];
+      } else if (p["role"] != "router") {
+        ++workers;
+        EXPECT_TRUE(p["registered"].get<bool>()) << p["name"];
+      }
+    }
+    EXPECT_EQ(ranks, workers);
+    EXPECT_EQ(workers, colocated ? 1 : 2);
+  }
+  fs::remove(model);
 }
 
 TEST_F(ClusterTest, UpRefusesBadRouterAndKvstoreCounts) {

@@ -40,7 +40,7 @@ constexpr char kStateFile[] = "cluster.json";
 // One process of the cluster, as cluster.json records it.
 struct Proc {
   std::string name;    // also the worker id in the registry
-  std::string role;    // router, prefill, decode, colocated
+  std::string role;    // router, prefill, decode, colocated, expert-rank
   std::string binary;  // absolute path
   std::vector<std::string> args;
   std::vector<int> cpus;
@@ -345,7 +345,7 @@ const char* BinaryFor(const std::string& role) {
 }
 
 // The worker's command line from the cluster's settings.
-Proc MakeWorker(State& s, const std::string& role, const std::string& name) {
+Proc MakeWorker(State& s, const std::string& role, const std::string& name, int ep = 1) {
   Proc p;
   p.name = name;
   p.role = role;
@@ -358,8 +358,10 @@ Proc MakeWorker(State& s, const std::string& role, const std::string& name) {
             "--router",    absl::StrJoin(s.router_addresses, ","),
             "--threads",   std::to_string(s.threads)};
   if (role == "colocated") {
-    // One engine prefills and decodes; no KV ever crosses a transport.
-    p.args.insert(p.args.end(), {"--role", "both", "--transport", "none"});
+    // One engine prefills and decodes; no KV ever crosses a transport, only an expert
+    // group's activations do.
+    p.args.insert(p.args.end(), {"--role", "both", "--transport", ep > 1 ? s.transport : "none"});
+    if (ep > 1) p.args.insert(p.args.end(), {"--ucx-tls", s.ucx_tls});
   } else {
     if (role == "decode") p.args.insert(p.args.end(), {"--role", "decode"});
     p.args.insert(p.args.end(), {"--transport", s.transport, "--ucx-tls", s.ucx_tls});
@@ -373,6 +375,7 @@ Proc MakeWorker(State& s, const std::string& role, const std::string& name) {
     if (s.kv_blocks > 0) p.args.insert(p.args.end(), {"--kv-blocks", std::to_string(s.kv_blocks)});
     if (s.max_seqs > 0) p.args.insert(p.args.end(), {"--max-seqs", std::to_string(s.max_seqs)});
   }
+  if (ep > 1) p.args.insert(p.args.end(), {"--ep-size", std::to_string(ep)});
   p.args.insert(p.args.end(), s.worker_args.begin(), s.worker_args.end());
   if (s.pin) p.cpus = TakeCpus(s, s.threads);
   return p;
@@ -544,6 +547,9 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   if (o.prefill < 0 || o.decode < 0 || o.colocated < 0) {
     return absl::InvalidArgumentError("--prefill, --decode and --colocated must be >= 0");
   }
+  if (o.ep < 1 || o.prefill_ep < 1) {
+    return absl::InvalidArgumentError("--ep and --prefill-ep must be >= 1");
+  }
   if (o.colocated == 0 && (o.prefill == 0 || o.decode == 0)) {
     return absl::InvalidArgumentError(
         "a cluster needs at least one prefill and one decode worker, or --colocated >= 1");
@@ -702,13 +708,26 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
 
   std::set<std::string> names;
   auto start = [&](const std::string& role, int n) -> absl::Status {
+    const int ep = role == "prefill" ? o.prefill_ep : o.ep;
     for (int i = 0; i < n; ++i) {
       const std::string name = absl::StrCat(role, "-", i);
-      Proc p = MakeWorker(s, role, name);
+      Proc p = MakeWorker(s, role, name, ep);
       fs::remove(PortPath(s, name), ec);
       TANDEM_ASSIGN_OR_RETURN(p.pid, Spawn(s, p));
       s.procs.push_back(p);
       names.insert(name);
+      if (ep <= 1) continue;
+      // The expert ranks join rank 0 at its gRPC port; it registers once they all have.
+      TANDEM_ASSIGN_OR_RETURN(const int leader_port, WaitForPortFile(s, s.procs.back(), deadline));
+      s.procs.back().port = leader_port;
+      for (int r = 1; r < ep; ++r) {
+        Proc rank = MakeWorker(s, role, absl::StrCat(name, "-ep", r), ep);
+        rank.role = "expert-rank";
+        rank.args.insert(rank.args.end(), {"--ep-rank", std::to_string(r), "--ep-leader",
+                                           absl::StrCat("127.0.0.1:", leader_port)});
+        TANDEM_ASSIGN_OR_RETURN(rank.pid, Spawn(s, rank));
+        s.procs.push_back(rank);
+      }
     }
     return absl::OkStatus();
   };
@@ -718,7 +737,7 @@ absl::Status ClusterUp(const ClusterUpOptions& o) {
   }
   if (absl::Status st = WaitRegistered(s, names, deadline); !st.ok()) return fail(st);
   for (Proc& p : s.procs) {
-    if (p.role == "router" || p.role == "kvstore") continue;
+    if (p.role == "router" || p.role == "kvstore" || p.role == "expert-rank") continue;
     absl::StatusOr<int> wp = WaitForPortFile(s, p, deadline);
     if (wp.ok()) p.port = *wp;
   }
@@ -852,7 +871,7 @@ absl::Status ClusterStatus(const std::string& dir, bool as_json) {
   for (const Proc& p : s.procs) {
     const bool alive = Alive(p.pid, p.binary);
     auto it = registered.find(p.name);
-    const bool service = p.role == "router" || p.role == "kvstore";
+    const bool service = p.role == "router" || p.role == "kvstore" || p.role == "expert-rank";
     std::string reg = service ? "-" : (it == registered.end() ? "no" : "yes");
     if (it != registered.end() && it->second.draining()) reg = "draining";
     std::string running = "-", waiting = "-", kv = "-", out = "-", in = "-", inflight = "-",

@@ -41,6 +41,11 @@ struct ClusterUpOptions {
   int prefill = 1;
   int decode = 1;
   int colocated = 0;
+  // Expert parallelism (MoE models): each decode and colocated worker is a group of `ep`
+  // processes, each prefill worker one of `prefill_ep`; rank 0 is the worker ("decode-0"), the
+  // others hold experts only ("decode-0-ep1", ...). 1: no groups.
+  int ep = 1;
+  int prefill_ep = 1;
   std::string dir;
   int routers = 1;      // router processes; every worker registers with all of them
   int router_port = 0;  // the first router's gRPC port (0: a free port); the others: free ports

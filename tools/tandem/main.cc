@@ -162,6 +162,11 @@ int main(int argc, char** argv) {
   cu->add_option("--prefill", up.prefill, "Prefill workers");
   cu->add_option("--decode", up.decode, "Decode workers");
   cu->add_option("--colocated", up.colocated, "Colocated (prefill+decode) workers");
+  cu->add_option("--ep", up.ep,
+                 "MoE expert parallelism: each decode and colocated worker is a group of this "
+                 "many processes splitting the experts");
+  cu->add_option("--prefill-ep", up.prefill_ep,
+                 "the same for each prefill worker (set apart from --ep)");
   cu->add_option("--dir", up.dir, "Run folder: logs, pid files, cluster.json")->required();
   cu->add_option("--routers", up.routers,
                  "Routers (every worker registers with all; router i > 0 takes a free gRPC "
