@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/model/model.h"
 #include "services/common/grpc_status.h"
 #include "services/common/process_util.h"
@@ -334,6 +335,7 @@ grpc::Status ExpertGroup::Join(grpc::ServerContext* ctx, const v1::JoinExpertGro
   }
   o_.transport->ForgetPeer(inbox->peer_address);
   if (!dropped.ok()) return ToGrpcStatus(dropped);
+  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the rank left");
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the leader is stopping");
 }
 
@@ -475,9 +477,10 @@ int RunExpertRank(const WorkerFlags& f, const std::string& binary) {
   req.set_placement(p.ToJson().dump());
   req.set_capacity_rows(capacity);
   req.set_inbox(server.inbox.desc.Serialize());
-  std::printf("%s: expert rank %d of %d (%s): %zu experts per layer, joining %s\n",
+  std::printf("%s: expert rank %d of %d (%s): experts %s of layer 0, joining %s\n",
               binary.c_str(), f.ep_rank, f.ep_size, f.worker_id.c_str(),
-              p.layers.empty() ? size_t{0} : p.layers[0][f.ep_rank].size(), f.ep_leader.c_str());
+              p.layers.empty() ? "none" : absl::StrJoin(p.layers[0][f.ep_rank], ",").c_str(),
+              f.ep_leader.c_str());
   std::fflush(stdout);
 
   std::atomic<bool> stop{false}, fatal{false};

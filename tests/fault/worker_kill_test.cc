@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/shell_util.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/fault/fault_cluster.h"
 
@@ -365,7 +366,8 @@ class ExpertGroupTest : public ::testing::Test {
 };
 
 // EP=2 gives the tokens of one process (`tandem generate`), through the cluster (prefill and
-// decode each a group of two) and on a colocated worker (one group prefills and decodes).
+// decode each a group of two) and on a colocated worker (one group prefills and decodes), with
+// contiguous experts and with an interleaved --expert-placement file.
 TEST_F(ExpertGroupTest, TwoRankGroupsGiveTheTokensOfOneProcess) {
   const std::vector<std::string> prompts = {"Once upon a time", "The knight said"};
   std::vector<Reference> refs;
@@ -373,15 +375,21 @@ TEST_F(ExpertGroupTest, TwoRankGroupsGiveTheTokensOfOneProcess) {
     refs.push_back(CliReference(p, 40, model_));
     ASSERT_TRUE(refs.back().ok) << refs.back().error;
   }
-  for (bool colocated : {false, true}) {
-    SCOPED_TRACE(colocated ? "colocated" : "disaggregated");
-    FaultClusterOptions o = Options(colocated ? "ep-colocated" : "ep-disagg");
-    if (colocated) {
+  // A placement file (`tandem place-experts`' format): even experts on rank 0, odd on rank 1.
+  nlohmann::json layers = nlohmann::json::array();
+  for (int l = 0; l < 4; ++l) layers.push_back({{0, 2, 4, 6}, {1, 3, 5, 7}});
+  const std::string placement = model_ + ".placement.json";
+  std::ofstream(placement) << nlohmann::json{{"ranks", 2}, {"n_expert", 8}, {"layers", layers}};
+  for (const std::string shape : {"disaggregated", "colocated", "placed"}) {
+    SCOPED_TRACE(shape);
+    FaultClusterOptions o = Options("ep-" + shape);
+    if (shape == "disaggregated") {
+      o.prefill_ep = 2;
+    } else {
       o.prefill = 0;
       o.decode_role = "both";
-    } else {
-      o.prefill_ep = 2;
     }
+    if (shape == "placed") o.decode_args = {"--expert-placement", placement};
     o.decode_ep = 2;
     FaultCluster cluster(o);
     absl::Status st = cluster.Start();
@@ -394,7 +402,14 @@ TEST_F(ExpertGroupTest, TwoRankGroupsGiveTheTokensOfOneProcess) {
       EXPECT_EQ(s.text, refs[i].text);
       for (const std::string& w : s.decode_workers) EXPECT_EQ(w, "decode-0");
     }
+    // The rank holds what the placement gives it.
+    const std::string rank_log = Slurp(cluster.dir() / "decode-0-ep1.log");
+    EXPECT_NE(rank_log.find(shape == "placed" ? "experts 1,3,5,7 of layer 0"
+                                              : "experts 4,5,6,7 of layer 0"),
+              std::string::npos)
+        << rank_log;
   }
+  fs::remove(placement);
 }
 
 // SIGKILL the expert rank of the decode group the streams run on: its leader fails them at
