@@ -5,6 +5,7 @@
 # a 512-token prompt (prefill), from `tandem client`; configs alternate within each round.
 #
 #   bench/moe/ep.sh BUILD_DIR MODEL.gguf [ROUNDS]
+# CONFIGS lists NAME:EP:THREADS triples (default "ep1:1:2 ep2:2:1"; threads are per process).
 # Prints one line per run and a median table; the clusters' logs stay under $OUT.
 set -euo pipefail
 build=${1:?build dir}
@@ -42,8 +43,10 @@ run_config() {  # NAME EP THREADS ROUND
 
 : > "$out/results"
 for r in $(seq 1 "$rounds"); do
-  run_config ep1 1 2 "$r"
-  run_config ep2 2 1 "$r"
+  for c in ${CONFIGS:-ep1:1:2 ep2:2:1}; do
+    IFS=: read -r name ep threads <<< "$c"
+    run_config "$name" "$ep" "$threads" "$r"
+  done
 done
 python3 - "$out/results" <<'PY'
 import statistics, sys
@@ -57,7 +60,8 @@ print("| config | decode tok/s (median) | prefill-512 TTFT ms (median) |")
 print("|---|---:|---:|")
 for n, (d, t) in med.items():
     print(f"| {n} | {d:.2f} | {t:.0f} |")
-if "ep1" in med and "ep2" in med:
-    print(f"EP=2 / EP=1: decode {med['ep2'][0] / med['ep1'][0]:.2f}x, "
-          f"prefill time {med['ep2'][1] / med['ep1'][1]:.2f}x")
+for n in med:
+    if n != "ep1" and "ep1" in med:
+        print(f"{n} / ep1: decode {med[n][0] / med['ep1'][0]:.2f}x, "
+              f"prefill time {med[n][1] / med['ep1'][1]:.2f}x")
 PY
