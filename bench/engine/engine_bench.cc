@@ -279,8 +279,15 @@ MatmulSweep PrepareSweep(const engine::Model& m, int32_t batch) {
   int64_t max_cols = 0, max_rows = 0;
   for (int32_t l = 0; l < m.config().n_layer; ++l) {
     const engine::LayerWeights& w = m.layer(l);
-    for (const engine::WeightView* v : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down}) {
-      s.weights.push_back(v);
+    for (const engine::WeightView* v : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down,
+                                        &w.ffn_gate_inp, &w.sh_gate, &w.sh_up, &w.sh_down}) {
+      if (v->data != nullptr) s.weights.push_back(v);
+    }
+    // An MoE layer: the experts one token reads (the first n_expert_used stand in).
+    for (int32_t e = 0; e < m.config().n_expert_used && !w.exp_gate.empty(); ++e) {
+      for (const engine::WeightView* v : {&w.exp_gate[e], &w.exp_up[e], &w.exp_down[e]}) {
+        s.weights.push_back(v);
+      }
     }
   }
   s.weights.push_back(&m.output());
@@ -482,7 +489,9 @@ absl::Status Run(const Options& o) {
       j["matmul"] = {{"batch", o.matmul_batch}, {"calls", s.weights.size()},
                      {"sweep_ms", Series(ms)}, {"weight_gb_per_s", Series(gbps)}};
     } else if (mode == "kernel") {
-      const engine::WeightView& w = model->layer(0).w_gate;
+      // The FFN gate, or an MoE model's first expert's.
+      const engine::LayerWeights& l0 = model->layer(0);
+      const engine::WeightView& w = l0.w_gate.data != nullptr ? l0.w_gate : l0.exp_gate.at(0);
       const int64_t row_bytes = static_cast<int64_t>(kernels::RowBytes(w.type, w.cols));
       const int64_t rows =
           std::clamp<int64_t>(int64_t{o.kernel_kib} * 1024 / row_bytes / 16 * 16, 16, w.rows);

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "absl/strings/cord.h"
+
 namespace tandem::services {
 namespace {
 // google.rpc.Code runs from OK (0) to UNAUTHENTICATED (16).
@@ -34,6 +36,16 @@ absl::Time FromChronoDeadline(std::chrono::system_clock::time_point t) {
   // gRPC's "no deadline" can arrive as gpr_inf_future converted to a far time point.
   if (at > absl::Now() + absl::Hours(24 * 365 * 100)) return absl::InfiniteFuture();
   return at;
+}
+
+absl::Status MarkDestinationFault(absl::Status st) {
+  if (!st.ok()) st.SetPayload(kFaultKey, absl::Cord(kFaultDestination));
+  return st;
+}
+
+bool IsDestinationFault(const absl::Status& st) {
+  const auto p = st.GetPayload(kFaultKey);
+  return p.has_value() && *p == kFaultDestination;
 }
 
 }  // namespace tandem::services

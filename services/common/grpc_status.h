@@ -22,4 +22,14 @@ absl::Status FromGrpcStatus(const grpc::Status& st);
 std::chrono::system_clock::time_point ToChronoDeadline(absl::Time t);
 absl::Time FromChronoDeadline(std::chrono::system_clock::time_point t);
 
+// A call that failed because of the peer it was sending to on the caller's behalf, not because
+// of the called worker itself: a prefill whose KV could not reach the decode worker's
+// reservation. The status carries it as a payload; at the service's edge it becomes the
+// trailing metadata kFaultKey = kFaultDestination, which the router reads to avoid that decode
+// worker instead of blaming the prefill worker.
+inline constexpr char kFaultKey[] = "tandem-fault";
+inline constexpr char kFaultDestination[] = "destination";
+absl::Status MarkDestinationFault(absl::Status st);
+bool IsDestinationFault(const absl::Status& st);
+
 }  // namespace tandem::services

@@ -19,7 +19,12 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const v1::Prefill
       span.Arg("cached_tokens", r->onboarded_tokens());
     }
   }
-  if (!r.ok()) return services::ToGrpcStatus(r.status());
+  if (!r.ok()) {
+    if (services::IsDestinationFault(r.status())) {
+      ctx->AddTrailingMetadata(services::kFaultKey, services::kFaultDestination);
+    }
+    return services::ToGrpcStatus(r.status());
+  }
   *resp = std::move(*r);
   return grpc::Status::OK;
 }

@@ -10,6 +10,7 @@
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
 #include "engine/runtime/draft_proposer.h"
+#include "services/common/grpc_status.h"
 #include "engine/sampling/sampler.h"
 #include "services/common/kv_layout.h"
 #include "services/common/kv_pool.h"
@@ -1028,9 +1029,9 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
   } else if (!job->compute_status.ok()) {
     Complete(*job, job->compute_status);
   } else if (!write_status.ok()) {
-    Complete(*job, absl::Status(write_status.code(),
-                                absl::StrCat("KV transfer to the decode worker failed: ",
-                                             write_status.message())));
+    Complete(*job, services::MarkDestinationFault(absl::Status(
+                       write_status.code(), absl::StrCat("KV transfer to the decode worker failed: ",
+                                                         write_status.message()))));
   } else {
     v1::PrefillResponse r;
     r.set_first_token_id(job->first_token);

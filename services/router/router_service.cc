@@ -608,6 +608,9 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   // the tenant's salt), scored against the prefix index.
   std::vector<uint64_t> hashes;
   absl::flat_hash_set<std::string> prefill_tried = c.avoid;
+  // Prefill workers whose failure was their destination's (the KV could not reach the decode
+  // worker): tried again once no other prefill worker is left.
+  absl::flat_hash_set<std::string> blameless;
   absl::Status last;
   Assignment d;
   v1::ReserveResponse reserve;
@@ -670,6 +673,11 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
                                                    return prefix_index_.Score({id, load}, hashes);
                                                  })
                          : registry_->Pick(Pool::kPrefill, 0, prefill_tried);
+      if (!p && !blameless.empty()) {
+        for (const std::string& w : blameless) prefill_tried.erase(w);
+        blameless.clear();
+        continue;
+      }
       if (!p) {
         co_await CancelOnDecode(d.address(), c.id);
         co_return last;
@@ -706,6 +714,24 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       }
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),
                                        absl::StrCat("prefill worker ", p.worker_id(), ": "));
+      // The prefill worker says its KV could not reach the decode worker: that decode worker
+      // is passed over (and this reservation given up); the prefill worker is not blamed.
+      const auto& trailers = cc->GetServerTrailingMetadata();
+      const auto fault = trailers.find(services::kFaultKey);
+      const bool destination_fault = fault != trailers.end() &&
+                                     std::string_view(fault->second.data(), fault->second.size()) ==
+                                         services::kFaultDestination;
+      if (destination_fault) {
+        c.Avoid(d.worker_id(), st);
+        blameless.insert(p.worker_id());
+        if (c.Cancelled()) {
+          co_await CancelOnDecode(d.address(), c.id);
+          co_return CancelledByClient();
+        }
+        last = st;
+        spoiled = true;
+        break;
+      }
       if (gs.error_code() != grpc::StatusCode::UNAVAILABLE) {
         co_await CancelOnPrefill(p.address(), c.id);
       }

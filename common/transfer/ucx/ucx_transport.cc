@@ -1,5 +1,7 @@
 #include "common/transfer/ucx/ucx_transport.h"
 
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <poll.h>
 #include <sys/syscall.h>
 #include <sys/eventfd.h>
@@ -152,6 +154,43 @@ bool ListHasSharedMemory(const std::string& tls) {
         tl == "cma" || tl == "knem" || tl == "xpmem") {
       return true;
     }
+  }
+  return false;
+}
+
+// UCX lists its TCP interfaces once, when the context is created, and takes only those both up
+// and running. A network interface brought up just before the process started (a pod's veth)
+// turns running a moment later, asynchronously; a context made in between would advertise no
+// reachable TCP address, and every peer's endpoint to it would fail ("Destination is
+// unreachable") for the life of the process. So wait, boundedly, until no non-loopback
+// interface is up without running.
+void AwaitRunningInterfaces(absl::Duration limit) {
+  const absl::Time until = absl::Now() + limit;
+  for (;;) {
+    ifaddrs* list = nullptr;
+    if (getifaddrs(&list) != 0) return;
+    std::string pending;
+    for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+      const unsigned flags = a->ifa_flags;
+      if ((flags & IFF_LOOPBACK) == 0 && (flags & IFF_UP) != 0 && (flags & IFF_RUNNING) == 0) {
+        pending = a->ifa_name;
+        break;
+      }
+    }
+    freeifaddrs(list);
+    if (pending.empty()) return;
+    if (absl::Now() >= until) {
+      std::fprintf(stderr, "ucx: interface %s is up but not running after %s; going on\n",
+                   pending.c_str(), absl::FormatDuration(limit).c_str());
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+bool ListHasTcp(const std::string& tls) {
+  for (const std::string& tl : Split(tls, ',')) {
+    if (tl == "all" || tl == "tcp") return true;
   }
   return false;
 }
@@ -419,6 +458,7 @@ absl::StatusOr<std::unique_ptr<KvTransport>> UcxTransport::Create(
       peer_failure = false;
       break;
   }
+  if (ListHasTcp(tls)) AwaitRunningInterfaces(absl::Seconds(5));
   std::unique_ptr<UcxTransport> t(new UcxTransport(options, tls, peer_failure));
   TANDEM_RETURN_IF_ERROR(t->Init());
   return std::unique_ptr<KvTransport>(std::move(t));

@@ -109,6 +109,9 @@ class FakePrefill final : public v1::PrefillWorker::Service {
  public:
   grpc::Status status = grpc::Status::OK;
   absl::Duration delay;  // each prefill takes this long
+  // Its KV cannot reach this decode worker: such a prefill fails UNAVAILABLE, marked as the
+  // destination's fault as the real prefill service marks it.
+  std::string unreachable_decode;
   Recorded rec;
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req,
@@ -122,6 +125,11 @@ class FakePrefill final : public v1::PrefillWorker::Service {
     rec.prefills.push_back(*req);
     rec.remaining_ms.push_back(RemainingMs(ctx));
     if (!status.ok()) return status;
+    if (req->destination().decode_worker() == unreachable_decode) {
+      ctx->AddTrailingMetadata(services::kFaultKey, services::kFaultDestination);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "KV transfer to the decode worker failed: cannot reach peer");
+    }
     resp->set_first_token_id(42);
     resp->add_block_checksums(11);
     resp->add_block_checksums(22);
@@ -668,6 +676,42 @@ TEST_F(RouterTest, PrefillRetriesDecideRetryOrFail) {
     router_->Shutdown(absl::ZeroDuration());
     router_.reset();
   }
+}
+
+// A decode worker the prefill workers' KV cannot reach (it came up without a usable address):
+// the prefill worker says the fault is its destination's, so the router passes over that decode
+// worker, not the prefill worker, and redoes the handoff on another decode worker with the same
+// prefill worker; the spoiled reservation goes back.
+TEST_F(RouterTest, AnUnreachableDecodeWorkerIsPassedOverNotThePrefillWorker) {
+  StartRouter();
+  FakeDecode& bad = Own<FakeDecode>("d-bad");
+  FakeDecode& good = Own<FakeDecode>("d-good");
+  FakePrefill& prefill = Own<FakePrefill>();
+  prefill.unreachable_decode = "d-bad";
+  Add(&bad, "d-bad", v1::WORKER_ROLE_DECODE);
+  Add(&good, "d-good", v1::WORKER_ROLE_DECODE);
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  // The registry hands out equally loaded workers round-robin: some requests go to d-bad first.
+  int tried_bad_first = 0;
+  for (int i = 0; i < 4; ++i) {
+    v1::GenerateRequest req = TextRequest("hi");
+    req.set_request_id(absl::StrCat("r", i));
+    Outcome out = Run(req);
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+    EXPECT_EQ(out.messages.back().decode_worker(), "d-good");
+    EXPECT_EQ(out.messages.back().prefill_worker(), "p0");
+    absl::MutexLock l(&bad.rec.mu);
+    const bool reserved_bad =
+        std::any_of(bad.rec.reserves.begin(), bad.rec.reserves.end(),
+                    [&](const v1::ReserveRequest& r) { return r.request_id() == req.request_id(); });
+    if (reserved_bad) {
+      ++tried_bad_first;
+      EXPECT_NE(std::find(bad.rec.cancels.begin(), bad.rec.cancels.end(), req.request_id()),
+                bad.rec.cancels.end())
+          << "the spoiled reservation on d-bad was not released";
+    }
+  }
+  EXPECT_GE(tried_bad_first, 1);
 }
 
 // The only decode worker fails the request's Reserve as unreachable: the request fails, and the
