@@ -294,20 +294,22 @@ FmaKernel PickFma() {
 
 }  // namespace
 
-DevicePeaks MeasureCpuPeaks(int32_t threads) {
+DevicePeaks MeasureCpuPeaks(int32_t threads, const std::atomic<bool>* cancel) {
   threads = std::max(1, threads);
   DevicePeaks peaks;
   using Clock = std::chrono::steady_clock;
+  auto cancelled = [cancel] { return cancel != nullptr && cancel->load(); };
   // Read bandwidth: each thread first-touches and then sums its own slice of four times the
   // last-level cache (64 to 256 MiB; it is freed on return), passes started together at a
   // barrier; a pass's bandwidth is all slices over the slowest thread's time (as the membw
-  // probe measures it).
+  // probe measures it). Every thread arrives at every barrier, cancelled or not.
   const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
   const size_t bytes =
       std::clamp<size_t>(llc > 0 ? 4 * size_t(llc) : 0, size_t{64} << 20, size_t{256} << 20);
   const size_t words = bytes / sizeof(uint64_t);
   std::unique_ptr<uint64_t[]> buf(new uint64_t[words]);
   const size_t slice = words / threads;
+  constexpr size_t kChunk = size_t{4} << 20 >> 3;  // words between cancellation checks
   constexpr int kPasses = 8;
   std::vector<std::vector<double>> secs(threads, std::vector<double>(kPasses));
   std::atomic<uint64_t> sink{0};
@@ -316,16 +318,21 @@ DevicePeaks MeasureCpuPeaks(int32_t threads) {
   for (int32_t t = 0; t < threads; ++t) {
     ts.emplace_back([&, t] {
       uint64_t* mine = buf.get() + t * slice;
-      for (size_t i = 0; i < slice; ++i) mine[i] = i;
+      for (size_t i = 0; i < slice && !cancelled(); ++i) mine[i] = i;
       for (int pass = 0; pass < kPasses; ++pass) {
         sync.arrive_and_wait();
         const auto t0 = Clock::now();
-        sink += SumFast(mine, slice);
+        uint64_t sum = 0;
+        for (size_t b = 0; b < slice && !cancelled(); b += kChunk) {
+          sum += SumFast(mine + b, std::min(kChunk, slice - b));
+        }
+        sink += sum;
         secs[t][pass] = std::chrono::duration<double>(Clock::now() - t0).count();
       }
     });
   }
   for (auto& t : ts) t.join();
+  if (cancelled()) return peaks;
   std::vector<double> gbs;
   for (int pass = 1; pass < kPasses; ++pass) {
     double slowest = 0;
@@ -340,10 +347,11 @@ DevicePeaks MeasureCpuPeaks(int32_t threads) {
     for (int32_t t = 0; t < threads; ++t) all.emplace_back(body, t);
     for (auto& t : all) t.join();
   };
-  if (fma.loop != nullptr) {
+  if (fma.loop != nullptr && !cancelled()) {
     constexpr int64_t kIters = 1'000'000;
     std::vector<double> gf;
     for (int pass = 0; pass < 3; ++pass) {
+      if (cancelled()) return peaks;
       std::atomic<double> out{0};
       const auto t0 = Clock::now();
       run([&](int32_t) { out.store(fma.loop(kIters)); });

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <span>
 
@@ -101,7 +102,9 @@ struct DevicePeaks {
   double gflops = 0;    // 1e9 FLOP/s, f32 FMAs in registers on every thread
 };
 // Measures both on the CPU with `threads` threads (about half a second on an idle machine,
-// 256 MiB); the threads it starts inherit the caller's scheduling policy.
-DevicePeaks MeasureCpuPeaks(int32_t threads);
+// 256 MiB); the threads it starts inherit the caller's scheduling policy. Once `*cancel` is set
+// it skips the work left (every slice of a few MiB checks) and returns what it has (0 for a
+// peak it did not finish), so a measurement starved of CPU never holds up its owner's exit.
+DevicePeaks MeasureCpuPeaks(int32_t threads, const std::atomic<bool>* cancel = nullptr);
 
 }  // namespace tandem::engine

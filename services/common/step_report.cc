@@ -6,6 +6,9 @@
 namespace tandem::services {
 
 StepReporter::~StepReporter() {
+  // A measurement still running is starved of CPU by SCHED_IDLE whenever the machine is busy:
+  // have it stop rather than wait for idle time that may not come.
+  cancel_ = true;
   if (measure_.joinable()) measure_.join();
 }
 
@@ -14,7 +17,7 @@ void StepReporter::MeasurePeaksInBackground(int32_t threads) {
     // The measuring threads inherit this policy (pthreads' default, PTHREAD_INHERIT_SCHED).
     sched_param none{};
     (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
-    const engine::DevicePeaks measured = engine::MeasureCpuPeaks(threads);
+    const engine::DevicePeaks measured = engine::MeasureCpuPeaks(threads, &cancel_);
     absl::MutexLock l(&mu_);
     if (peaks_.read_gbs <= 0) peaks_.read_gbs = measured.read_gbs;
     if (peaks_.gflops <= 0) peaks_.gflops = measured.gflops;

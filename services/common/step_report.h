@@ -5,6 +5,7 @@
 // Threading: Update runs on the engine thread after each of its turns; Snapshot from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -28,7 +29,7 @@ class StepReporter {
   StepReporter(engine::DevicePeaks peaks, std::string device, UtilizationMetrics* metrics,
                trace::Tracer* tracer = nullptr)
       : peaks_(peaks), device_(std::move(device)), metrics_(metrics), tracer_(tracer) {}
-  // Waits for a measurement still running.
+  // Stops a measurement still running and waits for it.
   ~StepReporter();
 
   // Measures the peaks that are still 0 on the CPU with `threads` threads, in a thread of its
@@ -56,6 +57,7 @@ class StepReporter {
   int64_t seen_ = 0;  // engine thread only
   mutable absl::Mutex mu_;
   std::thread measure_;
+  std::atomic<bool> cancel_{false};
   v1::StepCost snapshot_ ABSL_GUARDED_BY(mu_);
   double bytes_ ABSL_GUARDED_BY(mu_) = 0, flops_ ABSL_GUARDED_BY(mu_) = 0,
          seconds_ ABSL_GUARDED_BY(mu_) = 0;

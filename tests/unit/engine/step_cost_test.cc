@@ -5,11 +5,14 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "engine/runtime/engine.h"
 #include "gtest/gtest.h"
 #include "tests/fakes/tiny_model.h"
@@ -170,6 +173,28 @@ TEST_F(EngineStepsTest, ShapeAndWorkFollowTheChunks) {
   EXPECT_FALSE(eng.Step(std::span<const SeqChunk>(&oops, 1), &logits).ok());
   EXPECT_EQ(eng.steps(), 2);
   EXPECT_EQ(eng.step_cost().steps(), 2);
+}
+
+// Cancelled, the measurement stops at its next check (every slice of a few MiB) and returns 0
+// for what it did not finish: a worker's exit never waits for a measurement starved of CPU.
+TEST(CpuPeaksTest, ACancelledMeasurementReturnsPromptlyWithNothing) {
+  std::atomic<bool> cancel{true};
+  DevicePeaks p = MeasureCpuPeaks(2, &cancel);
+  EXPECT_EQ(p.read_gbs, 0);
+  EXPECT_EQ(p.gflops, 0);
+  cancel = false;
+  std::atomic<bool> done{false};
+  absl::Time cancelled_at;
+  std::thread t([&] {
+    p = MeasureCpuPeaks(2, &cancel);
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(30));
+  cancelled_at = absl::Now();
+  cancel = true;
+  t.join();
+  EXPECT_LT(absl::Now() - cancelled_at, absl::Milliseconds(500));
+  EXPECT_EQ(p.gflops, 0);  // the FMA passes come last: never reached in 30 ms
 }
 
 TEST(CpuPeaksTest, PlausibleForThisMachine) {
