@@ -107,6 +107,13 @@ void GrpcServer::SetServing(bool serving) {
   }
 }
 
+void GrpcServer::SetServing(const std::string& service, bool serving) {
+  if (shutting_down_.load()) return;
+  if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService()) {
+    h->SetServingStatus(service, serving);
+  }
+}
+
 GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::shared_ptr<CallCounter> calls,
                        int port, std::string address)
     : server_(std::move(server)),

@@ -61,6 +61,8 @@ class GrpcServer {
   void Shutdown(absl::Duration grace);
   // What grpc.health.v1 reports for the server ("" service). Ignored once Shutdown began.
   void SetServing(bool serving);
+  // The same for a named health service (e.g. the workers' "liveness").
+  void SetServing(const std::string& service, bool serving);
   // Calls being served now (health Watch streams, which last as long as their client wants,
   // are not counted).
   int calls_in_flight() const;

@@ -101,6 +101,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f, const WorkerFlagSpec& spec) {
   app.add_option("--ep-timeout-ms", f->ep_timeout_ms,
                  "deadline of every exchange between the ranks of a group")
       ->check(CLI::PositiveNumber);
+  app.add_option("--stall-ms", f->stall_ms,
+                 "liveness watchdog: an engine loop on one turn of work (a step) for longer than "
+                 "this is wedged; the worker then says NOT_SERVING (also on the \"liveness\" "
+                 "health service) and deregisters; 0: off")
+      ->check(CLI::NonNegativeNumber);
 }
 
 absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* f) {
@@ -314,7 +319,14 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
     registry_options = std::move(rs);
   }
   std::unique_ptr<RegistrySet> registration;
+  // Serving: ready (an expert group whole) and live (no wedged engine loop).
+  bool live = true;
+  auto is_live = [&] {
+    if (!o.engine_busy_for || f.stall_ms <= 0) return true;
+    return o.engine_busy_for() <= absl::Milliseconds(f.stall_ms);
+  };
   bool ready = !o.ready || o.ready();
+  (*server)->SetServing(kLivenessService, true);
   auto follow_readiness = [&]() -> absl::Status {
     (*server)->SetServing(ready);
     if (ready && registry_options && !registration) {
@@ -330,12 +342,27 @@ int ServeWorker(const WorkerFlags& f, const ServeOptions& o) {
   if (absl::Status st = follow_readiness(); !st.ok()) return FailWorker(o.binary, "--router", st);
 
   int sig = 0;
-  if (!o.ready) {
+  if (!o.ready && (!o.engine_busy_for || f.stall_ms <= 0)) {
     sig = WaitForTerminationSignal();
   } else {
     while ((sig = WaitForTerminationSignalFor(50)) == 0) {
-      if (o.ready() == ready) continue;
-      ready = !ready;
+      const bool now_live = is_live();
+      if (now_live != live) {
+        live = now_live;
+        (*server)->SetServing(kLivenessService, live);
+        if (live) {
+          std::fprintf(stderr, "%s: worker %s: the engine loop moves again\n", o.binary.c_str(),
+                       f.worker_id.c_str());
+        } else {
+          std::fprintf(stderr,
+                       "%s: worker %s: the engine loop has been on one turn for over %d ms "
+                       "(wedged): NOT_SERVING\n",
+                       o.binary.c_str(), f.worker_id.c_str(), f.stall_ms);
+        }
+      }
+      const bool now_ready = live && (!o.ready || o.ready());
+      if (now_ready == ready) continue;
+      ready = now_ready;
       std::fprintf(stderr, "%s: worker %s is %s\n", o.binary.c_str(), f.worker_id.c_str(),
                    ready ? "ready: registering" : "not ready: deregistering");
       if (absl::Status st = follow_readiness(); !st.ok()) {

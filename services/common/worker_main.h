@@ -89,6 +89,9 @@ struct WorkerFlags {
   std::string ep_leader;
   std::string expert_placement;  // a `tandem place-experts` file; empty: contiguous
   int ep_timeout_ms = 10000;     // every exchange between the ranks
+  // The liveness watchdog (ServeWorker): an engine loop on one turn of work for longer than
+  // this is wedged; 0: off.
+  int stall_ms = 30000;
 };
 
 // How one binary words and bounds the shared flags.
@@ -172,7 +175,13 @@ struct ServeOptions {
   std::function<bool()> ready;
   // Runs when the drain begins, before the server stops (ends an expert group's Join streams).
   std::function<void()> on_drain;
+  // How long the engine loop has been on its current turn of work (the worker's
+  // EngineBusyFor); empty: no watchdog. Polled with `ready`; must be thread-safe.
+  std::function<absl::Duration()> engine_busy_for;
 };
+
+// The health service the watchdog reports on (besides the server's own ""): the liveness probe's.
+inline constexpr char kLivenessService[] = "liveness";
 
 // Serves `o.service` and the model's card (model_card.h: a router without the model file learns the
 // model from it) on --host/--port (with health and reflection); with --metrics-port also serves
@@ -184,6 +193,10 @@ struct ServeOptions {
 // accepting, lets in-flight calls finish, cancels what is left at the deadline and returns 0.
 // Returns 1 after printing "<binary>: <what>: <error>" when the model card, the server, the metrics
 // endpoint, the port file or the registration cannot start. With o.ready, registration follows it.
+// Liveness watchdog (with o.engine_busy_for and --stall-ms > 0): while the engine loop has been on
+// one turn for longer than --stall-ms, both "" and kLivenessService say NOT_SERVING and the worker
+// is deregistered, so the router stops choosing it and a liveness probe on kLivenessService has
+// the pod restarted; should the turn end after all, it serves and registers again.
 int ServeWorker(const WorkerFlags& flags, const ServeOptions& o);
 
 // Serves an expert group (when there is one) through `so`: its Join service, readiness and

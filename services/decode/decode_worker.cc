@@ -197,6 +197,7 @@ void DecodeWorker::Loop() {
       absl::MutexLock l(&mu_);
       if (!busy) {
         // Idle: sleep until a command arrives, a lease runs out or a quarantine ends.
+        liveness_.Idle();
         auto ready = [this]()
                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !inbox_.empty(); };
         mu_.AwaitWithDeadline(absl::Condition(&ready), NextWake());
@@ -204,6 +205,7 @@ void DecodeWorker::Loop() {
       cmds.swap(inbox_);
       stopping = stop_;
     }
+    liveness_.Working();
     for (auto& c : cmds) c();
     if (stopping) break;
     const absl::Time now = absl::Now();

@@ -54,6 +54,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/scheduler.h"
 #include "engine/runtime/draft_proposer.h"
+#include "services/common/liveness.h"
 #include "services/common/metrics.h"
 #include "services/common/step_report.h"
 #include "tandem/v1/worker.pb.h"
@@ -137,6 +138,9 @@ class DecodeWorker {
   trace::Tracer* tracer() const { return o_.tracer; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
+  // How long the engine loop has been on its current turn of work (zero while it sleeps): the
+  // liveness watchdog's input (services/common/liveness.h). Thread-safe.
+  absl::Duration EngineBusyFor() const { return liveness_.BusyFor(absl::Now()); }
 
  private:
   // One request's timestamps for the metrics; engine thread only.
@@ -238,6 +242,7 @@ class DecodeWorker {
   v1::WorkerStats snapshot_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> integrity_failures_{0};
   services::StepReporter step_report_;
+  services::LoopLiveness liveness_;
   std::thread thread_;
 };
 

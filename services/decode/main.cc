@@ -21,6 +21,9 @@
 #include "services/common/transport_metrics.h"
 #include "services/common/worker_main.h"
 #include "services/decode/decode_service.h"
+#if TANDEM_DECODE_TEST_HOOKS
+#include "tests/fault/decode_test_hooks.h"
+#endif
 
 namespace tandem {
 namespace {
@@ -55,6 +58,10 @@ int Main(int argc, char** argv) {
                  "how long the blocks of an expired or cancelled reservation stay out of the "
                  "pool, so a prefill's late writes cannot land in another request's KV")
       ->check(CLI::NonNegativeNumber);
+#if TANDEM_DECODE_TEST_HOOKS
+  int wedge_after_steps = 0;
+  testing::AddDecodeTestHooks(app, &wedge_after_steps);
+#endif
   CLI11_PARSE(app, argc, argv);
 
   if (absl::Status st = services::PrepareWorkerProcess(spec, &flags); !st.ok()) {
@@ -110,6 +117,9 @@ int Main(int argc, char** argv) {
   }
   wo.speculative = *spec_options;
   wo.draft_kv_from_prefill = flags.draft_kv == "prefill";
+#if TANDEM_DECODE_TEST_HOOKS
+  if (wedge_after_steps > 0) wo.before_step = testing::WedgeAfterSteps(wedge_after_steps);
+#endif
   if (spec_options->method != engine::SpecMethod::kOff) {
     wo.spec_metrics = &metrics.Speculative(
         services::ModelNameFromPath(flags.model_path), role,
@@ -130,6 +140,7 @@ int Main(int argc, char** argv) {
   so.transport_name = *kv_transport ? (*kv_transport)->capabilities().name : "none";
   decode::DecodeWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
+  so.engine_busy_for = [w] { return w->EngineBusyFor(); };
   so.metrics = &metrics;
   // On SIGTERM, reservations made just before deregistering still get their Decode.
   so.pending_work = [w] { return w->Stats().reservations(); };

@@ -155,6 +155,7 @@ int Main(int argc, char** argv) {
   so.transport_name = (*kv_transport)->capabilities().name;
   prefill::PrefillWorker* w = worker->get();
   so.stats = [w] { return w->Stats(); };
+  so.engine_busy_for = [w] { return w->EngineBusyFor(); };
   so.metrics = &metrics;
   services::ServeExpertGroup(model->group.get(), &so);
   const int rc = services::ServeWorker(flags, so);

@@ -427,6 +427,7 @@ void PrefillWorker::Loop() {
         if (!queue_.empty() && (!admit_blocked_ || stop_)) return true;
         return stop_ && (!stop_seen || (queue_.empty() && active_.empty()));
       };
+      if (!must_act()) liveness_.Idle();
       while (!must_act()) {
         if (quarantine_.empty()) {
           cv_.Wait(&mu_);
@@ -434,6 +435,7 @@ void PrefillWorker::Loop() {
           break;  // quarantined blocks may be due: a blocked admission may now fit
         }
       }
+      liveness_.Working();
       wake_ = false;
       stopping = stop_;
       while (!pending_.empty()) {

@@ -64,6 +64,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/spec/proposer.h"
 #include "services/common/kv_device.h"
+#include "services/common/liveness.h"
 #include "services/common/metrics.h"
 #include "services/common/step_report.h"
 #include "services/prefill/kvstore_client.h"
@@ -141,6 +142,9 @@ class PrefillWorker {
   trace::Tracer* tracer() const { return o_.tracer; }
   int32_t kv_blocks_total() const { return kv_blocks_total_; }
   const std::string& model_name() const;
+  // How long the engine loop has been on its current turn of work (zero while it sleeps): the
+  // liveness watchdog's input (services/common/liveness.h). Thread-safe.
+  absl::Duration EngineBusyFor() const { return liveness_.BusyFor(absl::Now()); }
 
  private:
   struct Job;
@@ -216,6 +220,7 @@ class PrefillWorker {
   std::atomic<int32_t> draft_blocks_in_use_{0};
   uint64_t invariant_violations_seen_ = 0;  // PublishStats (engine thread, or before it starts)
   services::StepReporter step_report_;
+  services::LoopLiveness liveness_;
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;

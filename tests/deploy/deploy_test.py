@@ -214,6 +214,19 @@ def scenario_serve(env):
         check([len(pods[c]) for c in ("router", "prefill", "decode", "kvstore")] == [2, 2, 2, 1],
               "router 2, prefill 2, decode 2, kvstore 1 pods, each passed its readiness probe")
         check(all(p.ready for ps in pods.values() for p in ps), "every pod is ready")
+        # The workers' liveness probe asks the health service their engine watchdog drives.
+        workers = pods["prefill"] + pods["decode"]
+        check(all(p.spec["containers"][0]["livenessProbe"].get("grpc", {}).get("service")
+                  == "liveness" for p in workers),
+              "the worker pods' liveness probe asks the \"liveness\" health service")
+        every = [p for ps in pods.values() for p in ps]
+        passed = lambda: [p.name for p in every
+                          if p.probe_state.get("livenessProbe", {}).get("passes", 0) < 1]
+        try:
+            h.wait("every pod's liveness probe passed", lambda: not passed(), 30)
+        except TimeoutError:
+            pass
+        check(not passed(), f"every pod's liveness probe passed (not yet: {passed()})")
         # Isolation: pods have no default route, and nothing of ours is on the host's network.
         routes = h.client(["ip", "route"]).stdout
         check("default" not in routes, "the pod network has no default route (no way off host)")

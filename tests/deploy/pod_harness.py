@@ -681,6 +681,7 @@ class PodHarness:
             return
         if ok:
             st["fails"] = 0
+            st["passes"] = st.get("passes", 0) + 1
             if kind == "startupProbe":
                 pod.started = True
                 pod.event("started (startupProbe passed)")

@@ -335,14 +335,13 @@ absl::Status FaultCluster::Start(absl::Duration timeout) {
       auto w = std::make_unique<Proc>();
       w->name = absl::StrCat(role, "-", i);
       w->role = role;
-      // A prefill given a test hook runs the test twin (tests/fault/CMakeLists.txt).
-      const bool hooks = std::any_of(o_.prefill_args.begin(), o_.prefill_args.end(),
-                                     [](const std::string& a) { return a.rfind("--test-", 0) == 0; });
-      w->binary = role == "decode"  ? "tandem-decode"
-                  : hooks ? "tandem-prefill-test-hooks"
-                          : "tandem-prefill";
       w->port_file = (dir_ / (w->name + ".port")).string();
       w->args = WorkerArgs(role, w->name);
+      // A worker given a test hook runs its test twin (tests/fault/CMakeLists.txt).
+      const bool hooks = std::any_of(w->args.begin(), w->args.end(),
+                                     [](const std::string& a) { return a.rfind("--test-", 0) == 0; });
+      w->binary = absl::StrCat(role == "decode" ? "tandem-decode" : "tandem-prefill",
+                               hooks ? "-test-hooks" : "");
       procs_.push_back(std::move(w));
       Proc& leader = *procs_.back();
       if (absl::Status st = Spawn(leader, deadline); !st.ok()) return st;
@@ -388,6 +387,13 @@ ChildProcess* FaultCluster::process(const std::string& name) {
     if (p->name == name) return p->child.get();
   }
   return nullptr;
+}
+
+int FaultCluster::port(const std::string& name) const {
+  for (const auto& p : procs_) {
+    if (p->name == name) return p->port;
+  }
+  return 0;
 }
 
 pid_t FaultCluster::pid(const std::string& name) {

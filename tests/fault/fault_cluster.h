@@ -140,6 +140,8 @@ class FaultCluster {
   // "router", "kvstore", "prefill-0", "decode-1", ...; null when unknown or stopped by Remove.
   ChildProcess* process(const std::string& name);
   pid_t pid(const std::string& name);
+  // The gRPC port a process serves on (0 when unknown or it serves none).
+  int port(const std::string& name) const;
   std::vector<std::string> worker_names() const;
 
   // Starts an expert rank again after it died (the same flags); returns once it runs.

@@ -37,6 +37,7 @@
 #include "tests/fakes/shell_util.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/fault/fault_cluster.h"
+#include "tools/tandem/cluster.h"
 
 namespace tandem::testing {
 namespace {
@@ -334,6 +335,81 @@ TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksN
                "prefill-0 SIGKILLed with %d prefills in flight: every request completed on "
                "prefill-1; recovery_ms=%.0f (kill -> the last request done)\n",
                inflight, absl::ToDoubleMilliseconds(last_done - killed));
+}
+
+// A decode worker whose engine wedges mid-stream (its test twin blocks the engine thread for
+// good after 40 steps): within --stall-ms its watchdog reports NOT_SERVING on "" and on the
+// "liveness" health service the chart's liveness probe asks, and it deregisters. The kubelet
+// would then restart the pod; here the test kills it as that restart does, and its streams
+// migrate and complete with the one-process tokens.
+TEST_F(WorkerKillTest, WedgedDecodeEngineGoesNotServingAndItsStreamsMigrateOnRestart) {
+  constexpr int kStreams = 2;
+  constexpr int kTokens = 300;
+  std::vector<std::string> prompts;
+  std::vector<Reference> refs;
+  for (int i = 0; i < kStreams; ++i) {
+    prompts.push_back(absl::StrCat("Once upon a time, a ", i == 0 ? "fox" : "bear"));
+    refs.push_back(CliReference(prompts.back(), kTokens));
+    ASSERT_TRUE(refs.back().ok) << refs.back().error;
+  }
+  FaultClusterOptions o;
+  o.name = "wedge";
+  o.prefill = 1;
+  o.decode = 2;
+  o.ctx_size = kCtx;
+  o.router_args = {"--max-migrations", "3"};
+  o.decode_args = {"--stall-ms", "1000"};
+  o.worker_args["decode-0"] = {"--test-wedge-after-steps", "40"};
+  FaultCluster cluster(o);
+  absl::Status started = cluster.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  const std::string victim = "decode-0";
+  const std::string address = absl::StrCat("127.0.0.1:", cluster.port(victim));
+  auto health = [&](const std::string& service) {
+    absl::StatusOr<bool> h = tools::CheckHealth(address, absl::Seconds(1), service);
+    return h.ok() && *h;
+  };
+  ASSERT_TRUE(health("") && health("liveness"));
+
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    streams.push_back(std::make_unique<Stream>());
+    threads.emplace_back([&, i] {
+      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
+    });
+  }
+  // The victim's engine wedges after its 40th step; its streams stop.
+  const absl::Time t0 = absl::Now();
+  const bool not_serving =
+      WaitFor(absl::Seconds(30), [&] { return !health("liveness"); }, absl::Milliseconds(50));
+  const absl::Time detected = absl::Now();
+  ASSERT_TRUE(not_serving) << victim << "'s liveness never went NOT_SERVING";
+  EXPECT_FALSE(health(""));
+  EXPECT_TRUE(WaitFor(absl::Seconds(3), [&] { return !cluster.Registered(victim); }))
+      << victim << " still registered while wedged";
+  int on_victim = 0;
+  for (auto& s : streams) on_victim += !s->done && CurrentDecodeWorker(*s) == victim ? 1 : 0;
+  // What the kubelet does once the liveness probe fails: restart the pod.
+  ChildProcess* proc = cluster.process(victim);
+  ASSERT_NE(proc, nullptr);
+  proc->Signal(SIGKILL);
+  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    Stream& s = *streams[i];
+    SCOPED_TRACE(absl::StrCat("stream ", i));
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_EQ(s.tokens, refs[i].tokens);
+    EXPECT_EQ(s.text, refs[i].text);
+  }
+  EXPECT_GE(on_victim, 1) << "no stream was on " << victim << " when it wedged";
+  std::string why;
+  EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(20), &why, {"prefill-0", "decode-1"})) << why;
+  std::fprintf(stderr,
+               "%s wedged with %d of %d streams on it: NOT_SERVING (liveness) %.0f ms after the "
+               "streams started (--stall-ms 1000); all migrated after its restart\n",
+               victim.c_str(), on_victim, kStreams, absl::ToDoubleMilliseconds(detected - t0));
 }
 
 // Expert parallelism: a tiny random qwen3moe model (4 layers, 8 experts, top 2), each worker a

@@ -508,15 +508,19 @@ absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& route
   return std::vector<v1::WorkerInfo>(resp.workers().begin(), resp.workers().end());
 }
 
-absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout) {
+absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout,
+                                 const std::string& service) {
   grpc::GenericStub stub(services::CreateClientChannel(address));
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::CompletionQueue cq;
-  // HealthCheckRequest{service: ""} encodes to zero bytes.
-  grpc::ByteBuffer request;
-  grpc::Slice empty("");
-  request = grpc::ByteBuffer(&empty, 1);
+  // HealthCheckRequest{service}: field 1, length-delimited (nothing at all for "").
+  std::string wire;
+  if (!service.empty() && service.size() < 128) {
+    wire = std::string("\x0a") + static_cast<char>(service.size()) + service;
+  }
+  grpc::Slice slice(wire);
+  grpc::ByteBuffer request(&slice, 1);
   auto call = stub.PrepareUnaryCall(&cc, "/grpc.health.v1.Health/Check", request, &cq);
   call->StartCall();
   grpc::ByteBuffer response;

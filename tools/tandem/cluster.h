@@ -91,9 +91,11 @@ absl::Status ClusterAdd(const ClusterAddOptions& o);
 absl::Status ClusterRemove(const std::string& dir, const std::string& name,
                            absl::Duration grace = absl::Seconds(15));
 
-// grpc.health.v1.Health/Check of the whole server (service ""): true when SERVING. An
-// unreachable server is UNAVAILABLE (or DEADLINE_EXCEEDED).
-absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout);
+// grpc.health.v1.Health/Check of the whole server (service "") or of a named health service
+// (under 128 bytes): true when SERVING. An unreachable server is UNAVAILABLE (or
+// DEADLINE_EXCEEDED); a service the server does not know is NOT_FOUND.
+absl::StatusOr<bool> CheckHealth(const std::string& address, absl::Duration timeout,
+                                 const std::string& service = "");
 
 // Registry.ListWorkers of one router.
 absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers(const std::string& router,

@@ -191,7 +191,9 @@ affinity:
 
 {{/*
 Probes against grpc.health.v1 (every tandem server serves it), or the TCP port with TLS on:
-kubelet's gRPC probe has no TLS.
+kubelet's gRPC probe has no TLS. .service names the health service asked ("" when unset): the
+workers' liveness probe asks "liveness", which their engine-loop watchdog turns NOT_SERVING when
+a step has wedged (docs/workers.md), so the kubelet restarts the pod.
 */}}
 {{- define "tandem.probeAction" -}}
 {{- if .tls }}
@@ -200,6 +202,9 @@ tcpSocket:
 {{- else }}
 grpc:
   port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
@@ -216,7 +221,7 @@ readinessProbe:
   timeoutSeconds: 3
   failureThreshold: 2
 livenessProbe:
-  {{- include "tandem.probeAction" . | trim | nindent 2 }}
+  {{- include "tandem.probeAction" (dict "tls" .tls "port" .port "service" .livenessService) | trim | nindent 2 }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
