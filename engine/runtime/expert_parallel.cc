@@ -118,7 +118,9 @@ ExpertHolders::ExpertHolders(const ExpertPlacement& p) : n_expert_(p.n_expert) {
   begin_.push_back(static_cast<int32_t>(ranks_.size()));
 }
 
-int64_t ExpertWork::total_rows() const { return std::accumulate(rows.begin(), rows.end(), int64_t{0}); }
+int64_t ExpertWork::total_rows() const {
+  return std::accumulate(rows.begin(), rows.end(), int64_t{0});
+}
 
 void ExpertRunner::Run(const ModelConfig& c, const LayerWeights& w, const ExpertWork& work,
                        const float* in, float* out, util::ThreadPool* pool) {

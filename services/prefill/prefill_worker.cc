@@ -1031,9 +1031,10 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
   } else if (!job->compute_status.ok()) {
     Complete(*job, job->compute_status);
   } else if (!write_status.ok()) {
-    Complete(*job, services::MarkDestinationFault(absl::Status(
-                       write_status.code(), absl::StrCat("KV transfer to the decode worker failed: ",
-                                                         write_status.message()))));
+    const absl::Status failed(
+        write_status.code(),
+        absl::StrCat("KV transfer to the decode worker failed: ", write_status.message()));
+    Complete(*job, services::MarkDestinationFault(failed));
   } else {
     v1::PrefillResponse r;
     r.set_first_token_id(job->first_token);

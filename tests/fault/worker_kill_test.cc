@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -134,6 +135,37 @@ std::string CurrentDecodeWorker(Stream& s) {
   return s.decode_workers.empty() ? std::string() : s.decode_workers.back();
 }
 
+// One greedy stream (ignore_eos) per prompt, each on a thread of its own.
+class Streams {
+ public:
+  Streams(FaultCluster& cluster, const std::vector<std::string>& prompts, int tokens) {
+    for (size_t i = 0; i < prompts.size(); ++i) all_.push_back(std::make_unique<Stream>());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      threads_.emplace_back([&cluster, req = GreedyRequest(prompts[i], tokens, true),
+                             s = all_[i].get()] { RunStream(cluster, req, s); });
+    }
+  }
+  ~Streams() { Join(); }
+  void Join() {
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  // Every stream has `n` tokens or has ended, within `timeout`.
+  bool WaitPast(int n, absl::Duration timeout, absl::Duration every = absl::Milliseconds(20)) {
+    return WaitFor(timeout, [&] {
+      return std::all_of(all_.begin(), all_.end(),
+                         [n](const auto& s) { return s->seen >= n || s->done; });
+    }, every);
+  }
+  Stream& operator[](size_t i) { return *all_[i]; }
+  size_t size() const { return all_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<Stream>> all_;
+  std::vector<std::thread> threads_;
+};
+
 double RouterMetric(int metrics_port, const std::string& name) {
   const HttpResponse r = HttpCall(metrics_port, "GET", "/metrics");
   return r.status == 200 ? MetricValue(r.body, name) : -1;
@@ -180,38 +212,26 @@ void DecodeKillCase(bool speculative) {
   ASSERT_TRUE(cluster.Start().ok());
   ASSERT_EQ(RouterMetric(metrics_port, "tandem_migrations_total"), 0);
 
-  std::vector<std::unique_ptr<Stream>> streams;
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(std::make_unique<Stream>());
-    threads.emplace_back([&, i] {
-      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
-    });
-  }
+  Streams streams(cluster, prompts, kTokens);
   // Every stream decoding; then the victim dies with its streams mid-way.
-  const bool all_started = WaitFor(absl::Seconds(30), [&] {
-    for (auto& s : streams) {
-      if (s->seen < 20 && !s->done) return false;
-    }
-    return true;
-  });
+  const bool all_started = streams.WaitPast(20, absl::Seconds(30));
   const std::string victim = "decode-0";
   std::vector<bool> on_victim(kStreams, false);
   for (int i = 0; i < kStreams; ++i) {
-    on_victim[i] = !streams[i]->done && CurrentDecodeWorker(*streams[i]) == victim;
+    on_victim[i] = !streams[i].done && CurrentDecodeWorker(streams[i]) == victim;
   }
   ChildProcess* proc = cluster.process(victim);
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
-  for (std::thread& t : threads) t.join();
+  streams.Join();
   ASSERT_TRUE(all_started) << "the streams did not start in time";
 
   int expected_migrations = 0;
   std::vector<double> recovery_ms;
   for (int i = 0; i < kStreams; ++i) {
-    Stream& s = *streams[i];
+    Stream& s = streams[i];
     SCOPED_TRACE(absl::StrCat("stream ", i, " ('", prompts[i], "')"));
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
     EXPECT_TRUE(s.finished);
@@ -285,14 +305,7 @@ TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksN
   FaultCluster cluster(o);
   ASSERT_TRUE(cluster.Start().ok());
 
-  std::vector<std::unique_ptr<Stream>> streams;
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    streams.push_back(std::make_unique<Stream>());
-    threads.emplace_back([&, i] {
-      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
-    });
-  }
+  Streams streams(cluster, prompts, kTokens);
   const std::string victim = "prefill-0";
   // Kill once the router has prefills in flight on the victim.
   int inflight = 0;
@@ -313,12 +326,12 @@ TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksN
   proc->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
-  for (std::thread& t : threads) t.join();
+  streams.Join();
   ASSERT_TRUE(busy) << "no prefill ever ran on " << victim;
 
   absl::Time last_done = killed;
   for (int i = 0; i < kRequests; ++i) {
-    Stream& s = *streams[i];
+    Stream& s = streams[i];
     SCOPED_TRACE(absl::StrCat("request ", i));
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
     EXPECT_TRUE(s.finished);
@@ -371,14 +384,7 @@ TEST_F(WorkerKillTest, WedgedDecodeEngineGoesNotServingAndItsStreamsMigrateOnRes
   };
   ASSERT_TRUE(health("") && health("liveness"));
 
-  std::vector<std::unique_ptr<Stream>> streams;
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(std::make_unique<Stream>());
-    threads.emplace_back([&, i] {
-      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
-    });
-  }
+  Streams streams(cluster, prompts, kTokens);
   // The victim's engine wedges after its 40th step; its streams stop.
   const absl::Time t0 = absl::Now();
   const bool not_serving =
@@ -389,15 +395,17 @@ TEST_F(WorkerKillTest, WedgedDecodeEngineGoesNotServingAndItsStreamsMigrateOnRes
   EXPECT_TRUE(WaitFor(absl::Seconds(3), [&] { return !cluster.Registered(victim); }))
       << victim << " still registered while wedged";
   int on_victim = 0;
-  for (auto& s : streams) on_victim += !s->done && CurrentDecodeWorker(*s) == victim ? 1 : 0;
+  for (size_t i = 0; i < streams.size(); ++i) {
+    on_victim += !streams[i].done && CurrentDecodeWorker(streams[i]) == victim ? 1 : 0;
+  }
   // What the kubelet does once the liveness probe fails: restart the pod.
   ChildProcess* proc = cluster.process(victim);
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
   EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
-  for (std::thread& t : threads) t.join();
+  streams.Join();
   for (int i = 0; i < kStreams; ++i) {
-    Stream& s = *streams[i];
+    Stream& s = streams[i];
     SCOPED_TRACE(absl::StrCat("stream ", i));
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
     EXPECT_EQ(s.tokens, refs[i].tokens);
@@ -513,24 +521,12 @@ TEST_F(ExpertGroupTest, SigkilledExpertRankMidStreamRequestsMigrateAndTheGroupRe
   absl::Status started = cluster.Start();
   ASSERT_TRUE(started.ok()) << started;
 
-  std::vector<std::unique_ptr<Stream>> streams;
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kStreams; ++i) {
-    streams.push_back(std::make_unique<Stream>());
-    threads.emplace_back([&, i] {
-      RunStream(cluster, GreedyRequest(prompts[i], kTokens, /*ignore_eos=*/true), streams[i].get());
-    });
-  }
-  const bool all_started = WaitFor(absl::Seconds(30), [&] {
-    for (auto& s : streams) {
-      if (s->seen < 20 && !s->done) return false;
-    }
-    return true;
-  }, absl::Milliseconds(2));
+  Streams streams(cluster, prompts, kTokens);
+  const bool all_started = streams.WaitPast(20, absl::Seconds(30), absl::Milliseconds(2));
   const std::string leader = "decode-0", victim = "decode-0-ep1";
   std::vector<bool> on_victim(kStreams, false);
   for (int i = 0; i < kStreams; ++i) {
-    on_victim[i] = !streams[i]->done && CurrentDecodeWorker(*streams[i]) == leader;
+    on_victim[i] = !streams[i].done && CurrentDecodeWorker(streams[i]) == leader;
   }
   ChildProcess* proc = cluster.process(victim);
   ASSERT_NE(proc, nullptr);
@@ -540,13 +536,13 @@ TEST_F(ExpertGroupTest, SigkilledExpertRankMidStreamRequestsMigrateAndTheGroupRe
   // The leader deregisters promptly (it saw the rank's Join stream close).
   EXPECT_TRUE(WaitFor(absl::Seconds(3), [&] { return !cluster.Registered(leader); }))
       << leader << " still registered after its expert rank died";
-  for (std::thread& t : threads) t.join();
+  streams.Join();
   ASSERT_TRUE(all_started) << "the streams did not start in time";
 
   int expected = 0;
   double worst_ms = 0;
   for (int i = 0; i < kStreams; ++i) {
-    Stream& s = *streams[i];
+    Stream& s = streams[i];
     SCOPED_TRACE(absl::StrCat("stream ", i));
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
     EXPECT_TRUE(s.finished);
