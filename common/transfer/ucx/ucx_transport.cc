@@ -162,23 +162,28 @@ bool ListHasSharedMemory(const std::string& tls) {
 // and running. A network interface brought up just before the process started (a pod's veth)
 // turns running a moment later, asynchronously; a context made in between would advertise no
 // reachable TCP address, and every peer's endpoint to it would fail ("Destination is
-// unreachable") for the life of the process. So wait, boundedly, until no non-loopback
-// interface is up without running.
+// unreachable") for the life of the process. So while some non-loopback interface is up but
+// none is running yet, wait (boundedly). A host with one interface running and others without a
+// carrier (a docker bridge) does not wait.
 void AwaitRunningInterfaces(absl::Duration limit) {
   const absl::Time until = absl::Now() + limit;
   for (;;) {
     ifaddrs* list = nullptr;
     if (getifaddrs(&list) != 0) return;
+    bool up = false, running = false;
     std::string pending;
     for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
       const unsigned flags = a->ifa_flags;
-      if ((flags & IFF_LOOPBACK) == 0 && (flags & IFF_UP) != 0 && (flags & IFF_RUNNING) == 0) {
+      if ((flags & IFF_LOOPBACK) != 0 || (flags & IFF_UP) == 0) continue;
+      up = true;
+      if ((flags & IFF_RUNNING) != 0) {
+        running = true;
+      } else {
         pending = a->ifa_name;
-        break;
       }
     }
     freeifaddrs(list);
-    if (pending.empty()) return;
+    if (!up || running) return;
     if (absl::Now() >= until) {
       std::fprintf(stderr, "ucx: interface %s is up but not running after %s; going on\n",
                    pending.c_str(), absl::FormatDuration(limit).c_str());
