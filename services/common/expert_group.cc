@@ -199,7 +199,6 @@ absl::Status ExpertGroup::Send(int32_t rank, const engine::ExpertWork& work, con
                                             o_.capacity_rows, " an inbox holds"));
   }
   r.pending = Sequence(session, ++r.counter);
-  r.pending_session = session;
   const uint64_t rows_at = InboxRowsOffset(n_expert);
   r.staging.assign(rows_at - kHeader, 0);
   InboxHeader h{r.pending, work.layer, static_cast<int32_t>(work.expert.size()), rows,
@@ -243,7 +242,7 @@ absl::StatusOr<const float*> ExpertGroup::Receive(int32_t rank, int64_t rows) {
                                                         absl::FormatDuration(o_.timeout)))
              : absl::UnavailableError(
                    absl::StrCat("expert rank ", rank, " of ", o_.worker_id, " left the group"));
-    Drop(rank, r.pending_session, why);
+    Drop(rank, static_cast<uint32_t>(r.pending >> 32), why);
     return why;
   }
   ResultHeader h;
@@ -252,7 +251,7 @@ absl::StatusOr<const float*> ExpertGroup::Receive(int32_t rank, int64_t rows) {
     const absl::Status why = absl::InternalError(absl::StrCat(
         "expert rank ", rank, " answered ", h.rows, " rows of request ", h.seq, ", not ", rows,
         " of ", r.pending));
-    Drop(rank, r.pending_session, why);
+    Drop(rank, static_cast<uint32_t>(r.pending >> 32), why);
     return why;
   }
   if (h.code != 0) {
@@ -436,14 +435,8 @@ struct RankServer {
 }  // namespace
 
 int RunExpertRank(const WorkerFlags& f, const std::string& binary) {
-  absl::StatusOr<std::unique_ptr<gguf::GgufFile>> file = gguf::GgufFile::Open(f.model_path);
-  if (!file.ok()) return FailWorker(binary, absl::StrCat("opening ", f.model_path), file.status());
-  absl::StatusOr<engine::ModelConfig> config = engine::ModelConfig::FromGguf(**file);
-  if (!config.ok()) return FailWorker(binary, "reading the model", config.status());
-  file->reset();
-  absl::StatusOr<engine::ExpertPlacement> placement =
-      PlacementFromFlags(f, config->n_layer, config->n_expert);
-  if (!placement.ok()) return FailWorker(binary, "--expert-placement", placement.status());
+  absl::StatusOr<engine::ExpertPlacement> placement = PlacementFromFlags(f);
+  if (!placement.ok()) return FailWorker(binary, "expert placement", placement.status());
   engine::ModelLoadOptions lo;
   lo.experts_only = true;
   const engine::ExpertPlacement& p = *placement;

@@ -84,8 +84,7 @@ class ExpertGroup final : public engine::ExpertPeers, public v1::ExpertGroup::Se
     absl::Status dropped;  // why the leader dropped the current session (OK: it did not)
     // Stepping thread only.
     uint64_t counter = 0;
-    uint64_t pending = 0;  // sequence number of the work awaiting its answer
-    uint32_t pending_session = 0;
+    uint64_t pending = 0;  // sequence number of the work awaiting its answer (session << 32 | n)
     uint64_t bell = 0;  // source of the doorbell write
     std::vector<uint8_t> staging;
     std::atomic<bool> alive{false};

@@ -8,6 +8,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "common/transfer/fault_injection.h"
+#include "common/util/status_util.h"
 #include "services/common/grpc_server.h"
 #include "services/common/model_card.h"
 #include "services/common/process_util.h"
@@ -153,15 +154,17 @@ engine::DevicePeaks WorkerPeaksFromFlags(const WorkerFlags& f, bool* measure) {
   return {f.peak_read_gbs, f.peak_gflops};
 }
 
-absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& f,
-                                                           int32_t n_layer, int32_t n_expert) {
-  if (n_expert == 0) {
+absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& f) {
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gguf::GgufFile> file,
+                          gguf::GgufFile::Open(f.model_path));
+  TANDEM_ASSIGN_OR_RETURN(const engine::ModelConfig c, engine::ModelConfig::FromGguf(*file));
+  if (c.n_expert == 0) {
     return absl::InvalidArgumentError("--ep-size > 1 needs an MoE model (this one has no experts)");
   }
   if (!f.expert_placement.empty()) {
-    return engine::ExpertPlacement::ReadFile(f.expert_placement, n_layer, n_expert, f.ep_size);
+    return engine::ExpertPlacement::ReadFile(f.expert_placement, c.n_layer, c.n_expert, f.ep_size);
   }
-  return engine::ExpertPlacement::Contiguous(n_layer, n_expert, f.ep_size);
+  return engine::ExpertPlacement::Contiguous(c.n_layer, c.n_expert, f.ep_size);
 }
 
 absl::StatusOr<WorkerModel> LoadWorkerModel(const WorkerFlags& f,
@@ -176,13 +179,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const WorkerFlags& f,
   if (transport == nullptr) {
     return absl::InvalidArgumentError("--ep-size > 1 needs a KV transport (ucx)");
   }
-  absl::StatusOr<std::unique_ptr<gguf::GgufFile>> file = gguf::GgufFile::Open(f.model_path);
-  if (!file.ok()) return file.status();
-  absl::StatusOr<engine::ModelConfig> config = engine::ModelConfig::FromGguf(**file);
-  if (!config.ok()) return config.status();
-  file->reset();
-  absl::StatusOr<engine::ExpertPlacement> placement =
-      PlacementFromFlags(f, config->n_layer, config->n_expert);
+  absl::StatusOr<engine::ExpertPlacement> placement = PlacementFromFlags(f);
   if (!placement.ok()) return placement.status();
   engine::ModelLoadOptions lo;
   lo.holds_expert = [p = *placement](int32_t l, int32_t e) { return p.Holds(0, l, e); };
@@ -194,7 +191,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const WorkerFlags& f,
   go.placement = std::move(*placement);
   go.model = wm.model.get();
   go.model_name = std::filesystem::path(f.model_path).filename().string();
-  go.capacity_rows = int64_t{f.max_batch_tokens} * config->n_expert_used;
+  go.capacity_rows = int64_t{f.max_batch_tokens} * wm.model->config().n_expert_used;
   go.timeout = absl::Milliseconds(f.ep_timeout_ms);
   go.worker_id = f.worker_id;
   absl::StatusOr<std::unique_ptr<ExpertGroup>> g = ExpertGroup::Create(std::move(go));

@@ -120,9 +120,9 @@ absl::Status PrepareWorkerProcess(const WorkerFlagSpec& spec, WorkerFlags* flags
 // on a machine or build without a GPU.
 absl::Status CheckWorkerDevice(const WorkerFlags& flags);
 
-// The placement --ep-size and --expert-placement describe for a model of this shape.
-absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& flags,
-                                                           int32_t n_layer, int32_t n_expert);
+// The placement --ep-size and --expert-placement describe for the --model file's shape (read
+// from its header, before the weights are loaded).
+absl::StatusOr<engine::ExpertPlacement> PlacementFromFlags(const WorkerFlags& flags);
 
 // The worker's model, and with --ep-size > 1 its expert group: the model then holds only rank
 // 0's experts, and the group (borrowing `transport`) computes the rest on the other ranks; give
