@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/util/status_util.h"
+#include "engine/sampling/constraint.h"
 
 namespace tandem::engine {
 
@@ -55,6 +56,9 @@ absl::Status Scheduler::Validate(const GenerationRequest& req) const {
     }
   }
   TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, vocab));
+  // A constraint compiles (cached) and the output it already covers must follow it.
+  TANDEM_RETURN_IF_ERROR(
+      MakeSampler(req.sampling, engine_->model().tokenizer(), req.prompt).status());
   const int64_t ctx = engine_->ctx_size();
   const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens;
   if (static_cast<int64_t>(req.prompt.size()) >= ctx) {
@@ -77,7 +81,8 @@ std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest re
   const Tokenizer& tok = engine_->model().tokenizer();
   auto s = std::make_unique<Sequence>();
   s->tokens = req.prompt;
-  s->sampler = std::make_unique<Sampler>(req.sampling);
+  // Validate made one already: this cannot fail.
+  s->sampler = std::move(*MakeSampler(req.sampling, tok, req.prompt));
   s->stop = std::make_unique<StopChecker>(req.sampling);
   // A completion continues prompt text already shown, so its first token keeps its leading
   // space; after a bare BOS the stream starts fresh and the space goes (as llama2.c prints).
@@ -85,7 +90,9 @@ std::unique_ptr<Scheduler::Sequence> Scheduler::NewSequence(GenerationRequest re
                                         [&](int32_t t) { return t != tok.bos_id(); });
   s->decoder = std::make_unique<StreamingDecoder>(tok, /*special=*/false, continuation);
   s->key = next_key_++;
-  if (proposer_ != nullptr && req.sampling.speculative) {
+  // A constrained sequence does not speculate: drafts would each need the grammar's state.
+  if (proposer_ != nullptr && req.sampling.speculative &&
+      req.sampling.constraint.kind == Constraint::Kind::kNone) {
     s->draft_len = std::make_unique<DraftLength>(options_.speculative);
   }
   s->req = std::move(req);
@@ -115,6 +122,7 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
                                                    " is outside the vocabulary"));
   }
   std::unique_ptr<Sequence> s = NewSequence(std::move(req));
+  TANDEM_RETURN_IF_ERROR(s->sampler->Observe(first_token));
   s->blocks = std::move(blocks);
   s->n_cached = static_cast<int64_t>(s->tokens.size());
   // Before the first token is emitted: if it ends the sequence, Release hands them back.
@@ -122,7 +130,10 @@ absl::Status Scheduler::SubmitPrefilled(GenerationRequest req, std::vector<int32
   s->sampler->SkipSamples(1);
   s->tokens.push_back(first_token);
   ++stats_.generated_tokens;
-  Emit(*s, first_token);
+  Emit(*s, first_token,
+       s->req.sampling.logprobs >= 0 && s->req.first_token_logprobs
+           ? &*s->req.first_token_logprobs
+           : nullptr);
   if (!s->done) running_.push_back(std::move(s));
   return absl::OkStatus();
 }
@@ -151,11 +162,12 @@ void Scheduler::Release(Sequence& s, bool keep) {
   s.blocks.clear();
 }
 
-void Scheduler::Emit(Sequence& s, int32_t token) {
+void Scheduler::Emit(Sequence& s, int32_t token, const TokenLogprobs* logprobs) {
   const bool eog = engine_->model().tokenizer().IsEog(token);
   std::string piece = eog ? std::string() : s.decoder->Push(token);
   TokenEvent ev;
   ev.token = token;
+  if (logprobs != nullptr) ev.logprobs = *logprobs;
   ev.text = s.stop->Push(token, piece, eog);
   if (s.stop->reason() != FinishReason::kNone) {
     ev.text += s.stop->Flush();
@@ -290,7 +302,7 @@ void Scheduler::Accept(Sequence& s, float* rows) {
       ++s.spec.accepted_tokens;
     }
     ++stats_.generated_tokens;
-    Emit(s, next);
+    Emit(s, next, s.sampler->logprobs());
     if (!accepted || s.done) break;
   }
   s.draft_len->Record(k, kept);
@@ -394,7 +406,7 @@ absl::StatusOr<bool> Scheduler::Iterate() {
     const int32_t next = s.sampler->Sample(lg, s.tokens);
     s.tokens.push_back(next);
     ++stats_.generated_tokens;
-    Emit(s, next);
+    Emit(s, next, s.sampler->logprobs());
   }
   std::erase_if(running_, [](const auto& s) { return s->done; });
   return true;

@@ -27,6 +27,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,8 @@ struct TokenEvent {
   FinishReason reason = FinishReason::kNone;
   absl::Status status;  // non-OK if the request failed
   SpecUsage spec;       // on the final event: the request's speculation (zeros without any)
+  // With sampling.logprobs >= 0, on every event that carries a token.
+  std::optional<TokenLogprobs> logprobs;
 };
 
 struct GenerationRequest {
@@ -62,6 +65,8 @@ struct GenerationRequest {
   std::function<void(const TokenEvent&)> on_event;
   // Prefix-cache namespace (the tenant): requests share cached blocks only with the same salt.
   uint64_t salt = 0;
+  // SubmitPrefilled with sampling.logprobs >= 0: the first token's, from the remote sampler.
+  std::optional<TokenLogprobs> first_token_logprobs;
 };
 
 struct SchedulerStats {
@@ -137,7 +142,8 @@ class Scheduler {
   absl::Status Validate(const GenerationRequest& req) const;
   std::unique_ptr<Sequence> NewSequence(GenerationRequest req);
   // Feeds a sampled token through decoding and stop checks and reports it.
-  void Emit(Sequence& s, int32_t token);
+  // Reports a sampled token (with its log-probabilities when asked for; null otherwise).
+  void Emit(Sequence& s, int32_t token, const TokenLogprobs* logprobs);
   // Gives the sequence's blocks back; with the cache on and `keep` set, its full blocks are
   // cached rather than freed.
   void Release(Sequence& s, bool keep = true);

@@ -53,22 +53,26 @@ double UniformDouble(std::mt19937_64& rng) {
   return static_cast<double>(rng() >> 11) * 0x1.0p-53;
 }
 
+// Adds c to `heap`, a max-heap under Before of the best k candidates seen so far (its front the
+// worst of them), when it ranks among them.
+void KeepIfBest(const Cand& c, size_t k, std::vector<Cand>& heap) {
+  if (heap.size() < k) {
+    heap.push_back(c);
+    std::push_heap(heap.begin(), heap.end(), Before);
+  } else if (Before(c, heap.front())) {
+    std::pop_heap(heap.begin(), heap.end(), Before);
+    heap.back() = c;
+    std::push_heap(heap.begin(), heap.end(), Before);
+  }
+}
+
 // The k-th best candidate (1-based k < cands.size()) in Before order. For the usual small k a
 // bounded heap costs about one comparison per token; a large k uses nth_element on a copy.
 Cand KthBest(const std::vector<Cand>& cands, size_t k, std::vector<Cand>& scratch) {
   scratch.clear();
   if (k <= 1024) {
     // Max-heap under Before: the front is the worst of the best k seen so far.
-    for (const Cand& c : cands) {
-      if (scratch.size() < k) {
-        scratch.push_back(c);
-        std::push_heap(scratch.begin(), scratch.end(), Before);
-      } else if (Before(c, scratch.front())) {
-        std::pop_heap(scratch.begin(), scratch.end(), Before);
-        scratch.back() = c;
-        std::push_heap(scratch.begin(), scratch.end(), Before);
-      }
-    }
+    for (const Cand& c : cands) KeepIfBest(c, k, scratch);
     return scratch.front();
   }
   scratch = cands;
@@ -112,6 +116,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int32_t vocab_size)
       return absl::InvalidArgumentError(absl::StrCat(
           "stop_token_ids must be in [0, ", vocab_size, "), got ", id));
     }
+  }
+  if (p.logprobs < -1 || p.logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("logprobs must be in [0, ", kMaxTopLogprobs,
+                                                   "] (or -1: off), got ", p.logprobs));
   }
   for (size_t i = 0; i < p.stop_strings.size(); ++i) {
     if (p.stop_strings[i].empty()) {
@@ -159,6 +167,53 @@ void Sampler::SkipSamples(int64_t n) {
 }
 
 int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> history) {
+  if (logits.empty()) return 0;
+  float lse = 0;
+  if (p_.logprobs >= 0) {
+    // Masking and penalties change the logits in place: keep the raw ones.
+    raw_.assign(logits.begin(), logits.end());
+    lse = RankForLogprobs(logits);
+  }
+  if (matcher_ != nullptr) matcher_->Apply(logits);
+  const int32_t t = Pick(logits, history);
+  // The mask allowed t (a grammar that allows nothing leaves Pick's fallback, refused here
+  // and left for the stop checks).
+  if (matcher_ != nullptr) matcher_->Accept(t).IgnoreError();
+  if (p_.logprobs >= 0) {
+    const float l = raw_[static_cast<size_t>(t)];
+    logprobs_.logprob = std::isnan(l) ? -std::numeric_limits<float>::infinity() : l - lse;
+  }
+  return t;
+}
+
+absl::Status Sampler::Observe(int32_t token) {
+  return matcher_ != nullptr ? matcher_->Accept(token) : absl::OkStatus();
+}
+
+float Sampler::RankForLogprobs(std::span<const float> logits) {
+  // One pass for the maximum, one for the sum of exponentials (in double: 150k terms) and the
+  // best n by a bounded heap.
+  const size_t n = std::min(static_cast<size_t>(p_.logprobs), logits.size());
+  float max_logit = -std::numeric_limits<float>::infinity();
+  for (float l : logits) max_logit = l > max_logit ? l : max_logit;
+  scratch_.clear();
+  double sum = 0.0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float l = logits[i];
+    if (std::isnan(l)) continue;
+    sum += std::exp(static_cast<double>(l) - max_logit);
+    if (n > 0) KeepIfBest({l, static_cast<int32_t>(i)}, n, scratch_);
+  }
+  const float lse = std::isfinite(max_logit)
+                        ? max_logit + static_cast<float>(std::log(sum))
+                        : max_logit;
+  std::sort(scratch_.begin(), scratch_.end(), Before);
+  logprobs_.top.clear();
+  for (const Cand& c : scratch_) logprobs_.top.push_back({c.id, c.logit - lse});
+  return lse;
+}
+
+int32_t Sampler::Pick(std::span<float> logits, std::span<const int32_t> history) {
   if (logits.empty()) return 0;
   ApplyPenalties(logits, history);
   if (!(p_.temperature > 0.0f)) return Argmax(logits);

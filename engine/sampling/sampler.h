@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -25,8 +26,19 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/sampling/grammar.h"
 
 namespace tandem::engine {
+
+// What the output must match (constraint.h, grammar.h). Sampler::Constrain applies it.
+struct Constraint {
+  enum class Kind { kNone, kJsonObject, kJsonSchema };
+  Kind kind = Kind::kNone;
+  std::string text;  // kJsonSchema: the schema (JSON text)
+  // The prompt's last `generated` tokens are output already generated under the constraint
+  // (a request that moved to another worker mid-generation): the matcher starts after them.
+  int32_t generated = 0;
+};
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy
@@ -44,11 +56,30 @@ struct SamplingParams {
   bool ignore_eos = false;
   // false: this request never speculates (Scheduler); the output is the same either way.
   bool speculative = true;
+  // -1: off. n in [0, kMaxTopLogprobs]: each sampled token's log-probability and the n most
+  // likely tokens' (TokenLogprobs), from the model's own distribution: log-softmax of the raw
+  // logits, before penalties and temperature (as vLLM reports them by default).
+  int32_t logprobs = -1;
+  Constraint constraint;
+};
+
+inline constexpr int32_t kMaxTopLogprobs = 20;
+
+// A sampled token's log-probability and the top alternatives', most likely first (lower id on
+// ties). `top` has SamplingParams::logprobs entries (fewer only for a smaller vocabulary).
+struct TokenLogprobs {
+  struct Entry {
+    int32_t id = 0;
+    float logprob = 0;
+  };
+  float logprob = 0;
+  std::vector<Entry> top;
 };
 
 // INVALID_ARGUMENT naming the field for out-of-range values (temperature < 0, top_p outside
 // (0, 1], min_p outside [0, 1], repetition_penalty <= 0, penalties outside [-2, 2],
-// max_tokens < 1, ids outside the vocabulary, empty stop strings).
+// max_tokens < 1, ids outside the vocabulary, empty stop strings, logprobs outside
+// [-1, kMaxTopLogprobs]).
 absl::Status ValidateSamplingParams(const SamplingParams& p, int32_t vocab_size);
 
 namespace sampling_internal {
@@ -68,6 +99,15 @@ class Sampler {
   // continues a sequence whose first token was sampled by a prefill worker skips that draw, so
   // a seeded request yields the same tokens disaggregated as in one process.
   void SkipSamples(int64_t n);
+  // From now on only tokens `m` allows are drawn (their logits are masked before penalties,
+  // after the log-probabilities are taken), and each drawn token advances it.
+  void Constrain(std::unique_ptr<GrammarMatcher> m) { matcher_ = std::move(m); }
+  // A token this sequence produced without this sampler drawing it (a prefill worker's first
+  // token): advances the constraint as a draw would. INVALID_ARGUMENT when it breaks it.
+  absl::Status Observe(int32_t token);
+  const GrammarMatcher* matcher() const { return matcher_.get(); }
+  // The last sampled token's log-probabilities; null unless SamplingParams::logprobs >= 0.
+  const TokenLogprobs* logprobs() const { return p_.logprobs >= 0 ? &logprobs_ : nullptr; }
   // Speculative verification of a deterministic draft token (a point mass q at `draft`): the
   // standard rule accepts it with min(1, p/q) = p(draft) and otherwise draws from the residual
   // max(0, p - q), normalised, which is p without the draft. Drawing x from p with this
@@ -83,6 +123,9 @@ class Sampler {
   }
 
  private:
+  int32_t Pick(std::span<float> logits, std::span<const int32_t> history);
+  // Fills logprobs_.top from the raw logits and returns their log-sum-exp.
+  float RankForLogprobs(std::span<const float> logits);
   void ApplyPenalties(std::span<float> logits, std::span<const int32_t> history) const;
   // The worst-ranked member of the top-p nucleus of cands_ (whose weights_ are current).
   sampling_internal::Candidate NucleusEnd(double target, float max_logit, float inv_t);
@@ -96,6 +139,9 @@ class Sampler {
   std::vector<double> bucket_mass_;
   std::vector<uint16_t> bucket_of_;
   mutable std::vector<int32_t> window_;
+  TokenLogprobs logprobs_;
+  std::unique_ptr<GrammarMatcher> matcher_;
+  std::vector<float> raw_;  // the raw logits, kept while logprobs are asked for
 };
 
 enum class FinishReason { kNone, kStop, kLength };

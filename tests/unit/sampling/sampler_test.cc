@@ -89,6 +89,8 @@ TEST(ValidateSamplingParams, NamesTheFieldAndValue) {
       {[](SamplingParams& p) { p.stop_token_ids = {3, 100}; }, "stop_token_ids must be in [0, 100), got 100"},
       {[](SamplingParams& p) { p.stop_token_ids = {-1}; }, "stop_token_ids must be in [0, 100), got -1"},
       {[](SamplingParams& p) { p.stop_strings = {"x", ""}; }, "stop_strings must not be empty"},
+      {[](SamplingParams& p) { p.logprobs = 21; }, "logprobs must be in [0, 20] (or -1: off), got 21"},
+      {[](SamplingParams& p) { p.logprobs = -2; }, "logprobs must be in [0, 20]"},
   };
   for (const Case& c : cases) {
     SamplingParams p;
@@ -380,6 +382,51 @@ TEST(Sampler, NanLogitsAreNeverDrawn) {
     std::vector<float> l = logits;
     EXPECT_NE(s.Sample(l, {}) % 3, 0);
   }
+}
+
+TEST(Sampler, LogprobsAreTheRawLogSoftmaxWhateverThePenaltiesAndTemperature) {
+  // A 150k vocabulary of random logits: the reference log-softmax in double, ranked by value
+  // (lower id on ties) for the alternatives.
+  const std::vector<float> logits = RandomLogits(150000, 31, 4.0f);
+  const double mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float l : logits) sum += std::exp(l - mx);
+  const double lse = mx + std::log(sum);
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  struct Case {
+    float t;
+    float repetition;
+    int32_t n;
+  };
+  for (const Case c : {Case{0.0f, 1.0f, 5}, Case{0.8f, 1.3f, 20}, Case{1.5f, 1.0f, 0}}) {
+    SamplingParams p = Params(c.t, 9);
+    p.repetition_penalty = c.repetition;
+    p.logprobs = c.n;
+    Sampler s(p);
+    Sampler plain([&] {
+      SamplingParams q = p;
+      q.logprobs = -1;
+      return q;
+    }());
+    const std::vector<int32_t> history = {order[0], order[3], 17};
+    for (int step = 0; step < 4; ++step) {
+      std::vector<float> l = logits, l2 = logits;
+      const int32_t t = s.Sample(l, history);
+      EXPECT_EQ(t, plain.Sample(l2, history)) << "logprobs change the draw";
+      ASSERT_NE(s.logprobs(), nullptr);
+      const TokenLogprobs& lp = *s.logprobs();
+      EXPECT_NEAR(lp.logprob, logits[t] - lse, 1e-4) << "t=" << c.t << " token " << t;
+      ASSERT_EQ(lp.top.size(), static_cast<size_t>(c.n));
+      for (int32_t k = 0; k < c.n; ++k) {
+        EXPECT_EQ(lp.top[k].id, order[k]) << k;
+        EXPECT_NEAR(lp.top[k].logprob, logits[order[k]] - lse, 1e-4) << k;
+      }
+    }
+  }
+  EXPECT_EQ(Sampler(Params(1.0f)).logprobs(), nullptr);  // off by default
 }
 
 }  // namespace
