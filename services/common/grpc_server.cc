@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/grpc.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -74,6 +75,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // Both are process-wide switches that the builder reads when it is constructed.
   static std::once_flag once;
   std::call_once(once, [] {
+    // Referenced so the linker keeps the health service's descriptor (its file registers
+    // itself with the pool reflection reads when linked in).
+    (void)grpc::health::v1::HealthCheckRequest::descriptor();
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   });

@@ -1,5 +1,7 @@
 #include "services/common/sampling_convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace tandem::services {
@@ -20,6 +22,17 @@ engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
   s.stop_strings.assign(p.stop().begin(), p.stop().end());
   s.ignore_eos = p.ignore_eos();
   if (p.has_speculative()) s.speculative = p.speculative();
+  if (p.has_logprobs()) s.logprobs = p.logprobs();
+  const v1::ResponseFormat& f = p.response_format();
+  if (f.format_case() == v1::ResponseFormat::kJsonObject && f.json_object()) {
+    s.constraint.kind = engine::Constraint::Kind::kJsonObject;
+  } else if (f.format_case() == v1::ResponseFormat::kJsonSchema) {
+    s.constraint.kind = engine::Constraint::Kind::kJsonSchema;
+    s.constraint.text = f.json_schema();
+  }
+  if (s.constraint.kind != engine::Constraint::Kind::kNone) {
+    s.constraint.generated = f.generated();
+  }
   return s;
 }
 
@@ -39,7 +52,39 @@ v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
   for (const std::string& str : s.stop_strings) p.add_stop(str);
   p.set_ignore_eos(s.ignore_eos);
   p.set_speculative(s.speculative);
+  if (s.logprobs >= 0) p.set_logprobs(s.logprobs);
+  switch (s.constraint.kind) {
+    case engine::Constraint::Kind::kNone:
+      break;
+    case engine::Constraint::Kind::kJsonObject:
+      p.mutable_response_format()->set_json_object(true);
+      break;
+    case engine::Constraint::Kind::kJsonSchema:
+      p.mutable_response_format()->set_json_schema(s.constraint.text);
+      break;
+  }
+  if (s.constraint.kind != engine::Constraint::Kind::kNone) {
+    p.mutable_response_format()->set_generated(s.constraint.generated);
+  }
   return p;
+}
+
+v1::TokenLogprobs LogprobsToProto(const engine::TokenLogprobs& l) {
+  v1::TokenLogprobs p;
+  p.set_logprob(l.logprob);
+  for (const engine::TokenLogprobs::Entry& e : l.top) {
+    p.add_top_ids(e.id);
+    p.add_top_logprobs(e.logprob);
+  }
+  return p;
+}
+
+engine::TokenLogprobs LogprobsFromProto(const v1::TokenLogprobs& p) {
+  engine::TokenLogprobs l;
+  l.logprob = p.logprob();
+  const int n = std::min(p.top_ids_size(), p.top_logprobs_size());
+  for (int i = 0; i < n; ++i) l.top.push_back({p.top_ids(i), p.top_logprobs(i)});
+  return l;
 }
 
 absl::StatusOr<v1::Priority> PriorityFromName(const std::string& name) {

@@ -18,6 +18,9 @@ engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p);
 // Sets every field explicitly, so the round trip is exact.
 v1::SamplingParams SamplingToProto(const engine::SamplingParams& s);
 
+v1::TokenLogprobs LogprobsToProto(const engine::TokenLogprobs& l);
+engine::TokenLogprobs LogprobsFromProto(const v1::TokenLogprobs& p);
+
 // "interactive", "standard" or "batch" (the CLI's and the HTTP API's names of the request
 // classes); INVALID_ARGUMENT naming the three otherwise.
 absl::StatusOr<v1::Priority> PriorityFromName(const std::string& name);

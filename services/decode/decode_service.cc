@@ -1,6 +1,7 @@
 #include "services/decode/decode_service.h"
 
 #include "services/common/grpc_status.h"
+#include "services/common/sampling_convert.h"
 
 namespace tandem::decode {
 namespace {
@@ -63,6 +64,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const v1::DecodeReq
     msg.set_decode_worker(worker_->worker_id());
     if (ev.token >= 0) {
       msg.add_token_ids(ev.token);
+      if (ev.logprobs) *msg.add_logprobs() = services::LogprobsToProto(*ev.logprobs);
       ++completion;
     }
     msg.set_text(ev.text);

@@ -510,6 +510,9 @@ engine::GenerationRequest DecodeWorker::MakeRequest(const v1::DecodeRequest& req
   g.id = req.request_id();
   g.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
   g.sampling = services::SamplingFromProto(req.sampling());
+  if (req.has_first_token_logprobs()) {
+    g.first_token_logprobs = services::LogprobsFromProto(req.first_token_logprobs());
+  }
   // Runs on the engine thread (inside Submit*, Iterate or Cancel).
   g.on_event = [this, stream = std::move(stream), id = g.id,
                 clock = std::move(clock)](const engine::TokenEvent& ev) {

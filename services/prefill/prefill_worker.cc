@@ -10,8 +10,9 @@
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
 #include "engine/runtime/draft_proposer.h"
-#include "services/common/grpc_status.h"
+#include "engine/sampling/constraint.h"
 #include "engine/sampling/sampler.h"
+#include "services/common/grpc_status.h"
 #include "services/common/kv_layout.h"
 #include "services/common/kv_pool.h"
 #include "services/common/sampling_convert.h"
@@ -99,6 +100,7 @@ struct PrefillWorker::Job {
   absl::Time compute_start;
   absl::Time compute_end;
   int32_t first_token = -1;
+  std::optional<engine::TokenLogprobs> first_logprobs;  // sampling.logprobs >= 0
   std::vector<uint64_t> checksums;
   absl::Status compute_status;
   int32_t local_cached_blocks = 0;  // reused from the own prefix cache
@@ -237,6 +239,13 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
   auto job = std::make_shared<Job>();
   job->sampling = services::SamplingFromProto(req.sampling());
   TANDEM_RETURN_IF_ERROR(engine::ValidateSamplingParams(job->sampling, vocab));
+  // A constraint compiles (cached) here, before any work, and the sampler that draws the
+  // first token is the one the decode side would make.
+  TANDEM_RETURN_IF_ERROR(engine::MakeSampler(
+                             job->sampling, engine_->model().tokenizer(),
+                             std::span<const int32_t>(req.prompt_token_ids().data(),
+                                                      static_cast<size_t>(n)))
+                             .status());
 
   const v1::KvDestination& dst = req.destination();
   // The reserve handshake: what decode speculates with must be what this worker prepares for.
@@ -813,8 +822,14 @@ bool PrefillWorker::ComputeStep() {
     std::span<float> lg(logits_.data() + out * vocab, vocab);
     ++out;
     // The same sampler, seed and history the decode side (and a single-process run) uses.
-    engine::Sampler sampler(j.sampling);
-    j.first_token = sampler.Sample(lg, j.prompt);
+    absl::StatusOr<std::unique_ptr<engine::Sampler>> sampler =
+        engine::MakeSampler(j.sampling, engine_->model().tokenizer(), j.prompt);
+    if (!sampler.ok()) {  // checked at arrival; a compiled constraint is cached
+      EndCompute(jobs[i], sampler.status());
+      continue;
+    }
+    j.first_token = (*sampler)->Sample(lg, j.prompt);
+    if (const engine::TokenLogprobs* l = (*sampler)->logprobs()) j.first_logprobs = *l;
     j.compute_end = absl::Now();
     // The local copy no longer changes: checksum it while the last writes are in flight.
     // On the device for a GPU pool (the kernel and the CPU agree bit for bit, kv_layout.h).
@@ -1038,6 +1053,9 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
   } else {
     v1::PrefillResponse r;
     r.set_first_token_id(job->first_token);
+    if (job->first_logprobs) {
+      *r.mutable_first_token_logprobs() = services::LogprobsToProto(*job->first_logprobs);
+    }
     for (uint64_t c : job->checksums) r.add_block_checksums(c);
     r.set_bytes_transferred(bytes);
     r.set_compute_seconds(absl::ToDoubleSeconds(job->compute_end - job->compute_start));

@@ -75,6 +75,7 @@ Generated ReferenceRun(std::shared_ptr<const engine::Model> model, kernels::DTyp
   r.sampling = sp;
   r.on_event = [&](const engine::TokenEvent& ev) {
     if (ev.token >= 0) g.tokens.push_back(ev.token);
+    if (ev.logprobs) g.logprobs.push_back(*ev.logprobs);
     g.text += ev.text;
     if (ev.finished) {
       g.reason = ev.reason == engine::FinishReason::kStop ? v1::FINISH_REASON_STOP
@@ -175,6 +176,9 @@ Generated TestCluster::Decode(const v1::DecodeRequest& req) {
   while (reader->Read(&msg)) {
     if (g.messages++ == 0 && msg.token_ids_size() > 0) g.first_message_token = msg.token_ids(0);
     for (int32_t t : msg.token_ids()) g.tokens.push_back(t);
+    for (const v1::TokenLogprobs& l : msg.logprobs()) {
+      g.logprobs.push_back(services::LogprobsFromProto(l));
+    }
     g.text += msg.text();
     EXPECT_EQ(msg.request_id(), req.request_id());
     EXPECT_EQ(msg.decode_worker(), "decode-0");
@@ -214,6 +218,10 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
   *dr.mutable_sampling() = pr.sampling();
   dr.set_first_token_id(presp.first_token_id());
+  // As the router does: the first token's log-probabilities travel with it.
+  if (presp.has_first_token_logprobs()) {
+    *dr.mutable_first_token_logprobs() = presp.first_token_logprobs();
+  }
   *dr.mutable_block_checksums() = presp.block_checksums();
   *dr.mutable_draft_block_checksums() = presp.draft_block_checksums();
   g = Decode(dr);

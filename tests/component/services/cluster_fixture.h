@@ -46,6 +46,7 @@ struct Generated {
   int32_t first_message_token = -1;
   v1::Usage usage;
   v1::PrefillResponse prefill;
+  std::vector<engine::TokenLogprobs> logprobs;  // with sampling.logprobs >= 0
 };
 
 // What engine::Scheduler produces for the request in one process.

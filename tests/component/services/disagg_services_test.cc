@@ -94,6 +94,49 @@ TEST_P(HandoffTest, MatchesOneProcessScheduler) {
   EXPECT_EQ(c.PrefillStats().transport_bytes_written(), d.transport_bytes_received());
 }
 
+// Log-probabilities across the handoff: the first token's come from the prefill worker's
+// sampler, the rest from the decode worker's, and all match one process's.
+TEST_P(HandoffTest, LogprobsMatchOneProcessScheduler) {
+  ClusterOptions co;
+  co.kv_type = GetParam().kv_type;
+  TestCluster c(model_, co);
+  int n = 0;
+  for (int top : {0, 5}) {
+    for (bool seeded : {false, true}) {
+      engine::SamplingParams sp = seeded ? Seeded(12, 40 + top) : Greedy(12);
+      sp.logprobs = top;
+      const auto prompt = TestPrompt(37, 5 + top);
+      const Generated ref = ReferenceRun(model_, GetParam().kv_type, prompt, sp);
+      const Generated got = c.Generate(absl::StrCat("lp-", n++), prompt, sp);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      SCOPED_TRACE(::testing::Message() << "top " << top << (seeded ? " seeded" : " greedy"));
+      ASSERT_EQ(got.tokens, ref.tokens);
+      ASSERT_EQ(got.logprobs.size(), got.tokens.size());
+      ASSERT_EQ(ref.logprobs.size(), ref.tokens.size());
+      // An F16 cache rounds K and V: the two sides' logits agree to ~1e-4 relative there.
+      const double tol = GetParam().kv_type == kernels::DType::kF16 ? 2e-3 : 1e-4;
+      for (size_t i = 0; i < got.tokens.size(); ++i) {
+        const engine::TokenLogprobs& g = got.logprobs[i];
+        const engine::TokenLogprobs& r = ref.logprobs[i];
+        EXPECT_LT(g.logprob, 0.0f) << i;
+        EXPECT_NEAR(g.logprob, r.logprob, tol) << i;
+        ASSERT_EQ(g.top.size(), static_cast<size_t>(top)) << i;
+        for (int k = 0; k < top; ++k) {
+          EXPECT_EQ(g.top[k].id, r.top[k].id) << i << "/" << k;
+          EXPECT_NEAR(g.top[k].logprob, r.top[k].logprob, tol) << i << "/" << k;
+          if (k > 0) EXPECT_LE(g.top[k].logprob, g.top[k - 1].logprob);
+        }
+        // Greedy takes the most likely token.
+        if (!seeded && top > 0) {
+          EXPECT_EQ(g.top[0].id, got.tokens[i]);
+          EXPECT_EQ(g.top[0].logprob, g.logprob);
+        }
+      }
+    }
+  }
+  ExpectPoolsAtRest(c);
+}
+
 TEST_P(HandoffTest, ConcurrentRequestsMatchOneProcessScheduler) {
   ClusterOptions co;
   co.kv_type = GetParam().kv_type;
@@ -999,7 +1042,8 @@ std::string CallUnaryRaw(grpc::Channel* ch, const char* method, const std::strin
   return out;
 }
 
-std::string ListServicesByReflection(grpc::Channel* ch) {
+// One raw ServerReflectionRequest on ServerReflectionInfo; the raw responses, concatenated.
+std::string Reflect(grpc::Channel* ch, const std::string& request) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
@@ -1009,8 +1053,7 @@ std::string ListServicesByReflection(grpc::Channel* ch) {
               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
               grpc::internal::RpcMethod::BIDI_STREAMING),
           &ctx));
-  const std::string list_services("\x3a\x00", 2);  // field 7 (list_services), empty string
-  grpc::Slice slice(list_services.data(), list_services.size());
+  grpc::Slice slice(request.data(), request.size());
   grpc::ByteBuffer req(&slice, 1), resp;
   EXPECT_TRUE(stream->Write(req));
   stream->WritesDone();
@@ -1023,6 +1066,19 @@ std::string ListServicesByReflection(grpc::Channel* ch) {
   }
   EXPECT_TRUE(stream->Finish().ok());
   return out;
+}
+
+std::string ListServicesByReflection(grpc::Channel* ch) {
+  return Reflect(ch, std::string("\x3a\x00", 2));  // field 7 (list_services), empty string
+}
+
+// file_containing_symbol (field 4): the descriptor of the file declaring `symbol`, or an
+// error_response (field 7) when the server's pool does not hold it.
+std::string DescribeByReflection(grpc::Channel* ch, const std::string& symbol) {
+  std::string req = "\x22";
+  req += static_cast<char>(symbol.size());
+  req += symbol;
+  return Reflect(ch, req);
 }
 
 TEST_F(ServicesTest, StatsHealthAndReflectionRespond) {
@@ -1046,6 +1102,15 @@ TEST_F(ServicesTest, StatsHealthAndReflectionRespond) {
   EXPECT_NE(dlist.find("grpc.health.v1.Health"), std::string::npos);
   const std::string plist = ListServicesByReflection(c.prefill_channel.get());
   EXPECT_NE(plist.find("tandem.v1.PrefillWorker"), std::string::npos);
+  // Reflection describes the health service, not only names it (what `buf curl` needs).
+  for (const char* symbol : {"grpc.health.v1.Health", "tandem.v1.DecodeWorker"}) {
+    const std::string d = DescribeByReflection(c.decode_channel.get(), symbol);
+    EXPECT_NE(d.find(std::string(symbol).rfind("grpc", 0) == 0 ? "grpc/health/v1/health.proto"
+                                                                 : "tandem/v1/worker.proto"),
+              std::string::npos)
+        << symbol;
+    EXPECT_EQ(d.find("not found"), std::string::npos) << symbol << ": " << d;
+  }
 
   // After shutdown a server answers nothing (checked on a server of its own).
   decode::DecodeService spare(c.decode.get());
