@@ -77,14 +77,54 @@ std::vector<std::string> ChatTemplate::extra_stop_strings() const {
   return {};
 }
 
-absl::StatusOr<std::string> ChatTemplate::Render(std::span<const ChatMessage> messages,
-                                                 bool add_generation_prompt) const {
-  if (messages.empty()) return absl::InvalidArgumentError("messages must not be empty");
-  for (size_t i = 0; i < messages.size(); ++i) {
-    absl::StatusOr<std::string> role = NormalizedRole(messages[i], i);
+absl::StatusOr<std::string> ChatTemplate::Render(std::span<const ChatMessage> in,
+                                                 bool add_generation_prompt,
+                                                 std::span<const std::string> tools) const {
+  if (in.empty()) return absl::InvalidArgumentError("messages must not be empty");
+  bool tool_turns = !tools.empty();
+  for (size_t i = 0; i < in.size(); ++i) {
+    absl::StatusOr<std::string> role = NormalizedRole(in[i], i);
     if (!role.ok()) return role.status();
+    tool_turns = tool_turns || *role == "tool" || !in[i].tool_calls.empty();
   }
-  if (format_ == ChatFormat::kLlama2) return RenderLlama2(messages);
+  if (format_ == ChatFormat::kLlama2) {
+    if (tool_turns) {
+      return absl::InvalidArgumentError(
+          "tools: the llama-2 chat format has no place for tools, tool calls or tool messages");
+    }
+    return RenderLlama2(in);
+  }
+  // Tools, calls and responses become text of the turns they belong to.
+  std::vector<ChatMessage> messages(in.begin(), in.end());
+  for (ChatMessage& m : messages) {
+    for (const ToolCall& c : m.tool_calls) {
+      if (!m.content.empty()) m.content += "\n";
+      absl::StrAppend(&m.content, kToolCallOpen, "\n{\"name\": \"", c.name,
+                      "\", \"arguments\": ", c.arguments.empty() ? "{}" : c.arguments, "}\n",
+                      kToolCallClose);
+    }
+    if (m.role == "tool") {
+      m.content = absl::StrCat("<tool_response>\n", m.content, "\n</tool_response>");
+    }
+  }
+  if (!tools.empty()) {
+    std::string block =
+        "# Tools\n\nThese functions are available, one JSON signature per line inside "
+        "<tools></tools>:\n<tools>\n";
+    for (const std::string& t : tools) absl::StrAppend(&block, t, "\n");
+    absl::StrAppend(&block,
+                    "</tools>\n\nTo call one, answer with its name and arguments as a JSON "
+                    "object inside <tool_call></tool_call>:\n",
+                    kToolCallOpen, "\n{\"name\": <function name>, \"arguments\": <arguments "
+                    "object>}\n",
+                    kToolCallClose);
+    const std::string first = *NormalizedRole(messages[0], 0);
+    if (first == "system") {
+      messages[0].content = absl::StrCat(messages[0].content, "\n\n", block);
+    } else {
+      messages.insert(messages.begin(), ChatMessage{"system", block, {}, {}});
+    }
+  }
   std::string out;
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string role = *NormalizedRole(messages[i], i);

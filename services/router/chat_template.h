@@ -37,9 +37,21 @@ enum class ChatFormat { kChatml, kLlama2, kLlama3 };
 
 const char* ChatFormatName(ChatFormat f);  // "chatml", "llama-2", "llama-3"
 
+// The most messages one chat request may hold.
+inline constexpr size_t kMaxChatMessages = 1024;
+
+// A function call an assistant turn made (OpenAI's tool_calls).
+struct ToolCall {
+  std::string id;
+  std::string name;
+  std::string arguments;  // JSON text of an object
+};
+
 struct ChatMessage {
   std::string role;  // system, developer (treated as system), user, assistant, tool
   std::string content;
+  std::vector<ToolCall> tool_calls;  // assistant turns
+  std::string tool_call_id;          // tool turns: the call answered
 };
 
 class ChatTemplate {
@@ -61,8 +73,20 @@ class ChatTemplate {
   std::vector<std::string> extra_stop_strings() const;
 
   // add_generation_prompt: end with the opening of an assistant turn, so the model answers.
+  // tools: the functions the model may call, each the JSON text of an OpenAI tool
+  // ({"type": "function", "function": {...}}). They are listed in the system turn (first, or
+  // a new one), with how to call one: a JSON object {"name", "arguments"} inside
+  // <tool_call></tool_call> (the convention of chatml models trained for tools). Earlier calls
+  // are rendered that way in their assistant turns, and tool turns wrap their content in
+  // <tool_response></tool_response>. The llama-2 family has no place for tools or tool turns:
+  // INVALID_ARGUMENT.
   absl::StatusOr<std::string> Render(std::span<const ChatMessage> messages,
-                                     bool add_generation_prompt) const;
+                                     bool add_generation_prompt,
+                                     std::span<const std::string> tools = {}) const;
+
+  // The tags of a tool call in generated text (see Render).
+  static constexpr char kToolCallOpen[] = "<tool_call>";
+  static constexpr char kToolCallClose[] = "</tool_call>";
 
  private:
   absl::StatusOr<std::string> RenderLlama2(std::span<const ChatMessage> messages) const;

@@ -76,7 +76,7 @@ class ElasticTaskQueue final : public httplib::TaskQueue {
   bool stop_ = false;
 };
 
-void SendJson(httplib::Response& res, int status, const nlohmann::json& j) {
+void SendJson(httplib::Response& res, int status, const nlohmann::ordered_json& j) {
   res.status = status;
   res.set_content(DumpJson(j), kJson);
 }
@@ -114,21 +114,15 @@ void SendGenerateError(httplib::Response& res, const grpc::ClientContext& ctx,
 
 }  // namespace
 
-// One completion in flight. Owned by a shared_ptr that the streaming content provider holds,
-// so it lives until httplib is done with the response.
-struct HttpServer::Call {
-  HttpServer* server = nullptr;
-  OpenAiRequest req;
+// One choice's Generate call.
+struct HttpServer::Choice {
   grpc::ClientContext ctx;
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
   bool finished = false;  // reader->Finish() has been called
   grpc::Status status;
-  uint64_t watch = 0;
   Accumulated acc;
+  bool done = false;  // its final message was read
   std::optional<SseEncoder> sse;
-  bool opened = false;
-  std::optional<v1::GenerateResponse> pending;  // read before the status line was sent
-  absl::Time start = absl::Now();
 
   const grpc::Status& Finish() {
     if (!finished) {
@@ -137,9 +131,7 @@ struct HttpServer::Call {
     }
     return status;
   }
-  ~Call() {
-    server->Untrack(this);
-    server->watcher_.Unwatch(watch);
+  ~Choice() {
     if (reader != nullptr && !finished) {
       // The client left mid-stream (or the server stops): end the Generate call, which
       // cancels the request on its workers, and reap it.
@@ -149,10 +141,40 @@ struct HttpServer::Call {
       }
       Finish();
     }
+  }
+};
+
+// One completion in flight, with its n choices. Owned by a shared_ptr that the streaming
+// content provider holds, so it lives until httplib is done with the response.
+struct HttpServer::Call {
+  HttpServer* server = nullptr;
+  OpenAiRequest req;
+  // req.n of them, made before any starts, so that a disconnect or Stop cancels every one
+  // (a context cancelled before its call starts cancels the call as it starts).
+  std::vector<std::unique_ptr<Choice>> choices;
+  uint64_t watch = 0;
+  bool opened = false;
+  std::optional<v1::GenerateResponse> pending;  // choice 0's first message, read early
+  size_t next = 0;  // streaming: the choice read next, round robin
+  absl::Time start = absl::Now();
+
+  void CancelAll() {
+    for (auto& c : choices) c->ctx.TryCancel();
+  }
+  std::vector<Accumulated> Results() const {
+    std::vector<Accumulated> out;
+    for (const auto& c : choices) out.push_back(c->acc);
+    return out;
+  }
+  ~Call() {
+    server->Untrack(this);
+    server->watcher_.Unwatch(watch);
+    choices.clear();  // ends the calls still running
     if (server->o_.verbose) {
-      Logf("http %s %s: %d completion tokens, %s, %.1f ms", req.id.c_str(),
-           req.stream ? "stream" : "json", acc.completion_tokens,
-           status.ok() ? "ok" : status.error_message().c_str(),
+      int64_t tokens = 0;
+      for (const Accumulated& a : Results()) tokens += a.completion_tokens;
+      Logf("http %s %s: %d choice(s), %lld completion tokens, %.1f ms", req.id.c_str(),
+           req.stream ? "stream" : "json", req.n, static_cast<long long>(tokens),
            absl::ToDoubleMilliseconds(absl::Now() - start));
     }
   }
@@ -208,7 +230,7 @@ void HttpServer::Stop() {
     {
       absl::MutexLock lock(&calls_mu_);
       stopping_ = true;
-      for (Call* c : calls_) c->ctx.TryCancel();
+      for (Call* c : calls_) c->CancelAll();
     }
     // Let the cancelled streams write their error event and [DONE] before the server stops
     // writing altogether.
@@ -227,7 +249,7 @@ void HttpServer::Stop() {
 void HttpServer::Track(Call* c) {
   absl::MutexLock lock(&calls_mu_);
   calls_.insert(c);
-  if (stopping_) c->ctx.TryCancel();
+  if (stopping_) c->CancelAll();
 }
 
 void HttpServer::Untrack(Call* c) {
@@ -284,14 +306,14 @@ void HttpServer::Register() {
     res.status = draining_ || models_->model() == nullptr ? 503 : 200;
   });
   s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    nlohmann::json out;
+    nlohmann::ordered_json out;
     const RouterModel* model = models_->model();
     if (model == nullptr) return SendNotYetKnown(res);
     if (auto e = Tokenize(req.body, *model, *models_->chat(), &out)) return SendError(res, *e);
     SendJson(res, 200, out);
   });
   s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    nlohmann::json out;
+    nlohmann::ordered_json out;
     const RouterModel* model = models_->model();
     if (model == nullptr) return SendNotYetKnown(res);
     if (auto e = Detokenize(req.body, *model, &out)) return SendError(res, *e);
@@ -339,6 +361,15 @@ void HttpServer::Register() {
   }
 }
 
+void HttpServer::StartChoice(Call& c, int32_t index, const httplib::Request& req) {
+  Choice& ch = *c.choices[static_cast<size_t>(index)];
+  // The router's Generate authenticates again and applies the tenant's rate limit.
+  if (req.has_header("Authorization")) {
+    ch.ctx.AddMetadata("authorization", req.get_header_value("Authorization"));
+  }
+  ch.reader = stub_->Generate(&ch.ctx, ChoiceRequest(c.req, index));
+}
+
 void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httplib::Response& res) {
   requests_++;
   auto c = std::make_shared<Call>();
@@ -348,6 +379,7 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
   if (auto e = ParseOpenAiRequest(kind, req.body, *model, *models_->chat(), &c->req)) {
     return SendError(res, *e);
   }
+  for (int32_t i = 0; i < c->req.n; ++i) c->choices.push_back(std::make_unique<Choice>());
   Track(c.get());
   // No deadline of our own: the router gives requests without one its --timeout-ms, exactly
   // as for gRPC clients.
@@ -355,37 +387,41 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
       FindConnectionSocket(req.remote_addr, req.remote_port, req.local_addr, req.local_port),
       [this, raw = c.get()] {
         disconnects_++;
-        raw->ctx.TryCancel();
+        raw->CancelAll();
       });
-  // The router's Generate authenticates again and applies the tenant's rate limit.
-  if (req.has_header("Authorization")) {
-    c->ctx.AddMetadata("authorization", req.get_header_value("Authorization"));
-  }
-  c->reader = stub_->Generate(&c->ctx, c->req.generate);
-
-  if (!c->req.stream) {
-    v1::GenerateResponse m;
-    while (c->reader->Read(&m)) c->acc.Add(m);
-    const grpc::Status& gs = c->Finish();
-    if (!gs.ok()) return SendGenerateError(res, c->ctx, gs, kind);
-    if (!c->acc.finished) {
-      return SendError(
-          res, ErrorFromStatus(absl::InternalError("the generation ended without a final message"),
-                               kind));
-    }
-    return SendJson(res, 200, CompletionJson(c->req, c->acc));
-  }
-
-  // Streaming: hold the status line until the first token, so early refusals keep their code.
-  v1::GenerateResponse first;
-  if (!c->reader->Read(&first)) {
-    const grpc::Status& gs = c->Finish();
-    if (!gs.ok()) return SendGenerateError(res, c->ctx, gs, kind);
+  // Choice 0 first; the others once its first message is back, when the prompt's KV is in
+  // the prefill worker's prefix cache (and published), so they reuse it instead of computing
+  // it again side by side.
+  StartChoice(*c, 0, req);
+  Choice& first = *c->choices[0];
+  v1::GenerateResponse m;
+  if (!first.reader->Read(&m)) {
+    const grpc::Status& gs = first.Finish();
+    if (!gs.ok()) return SendGenerateError(res, first.ctx, gs, kind);
     return SendError(
         res, ErrorFromStatus(absl::InternalError("the generation produced nothing"), kind));
   }
-  c->pending = std::move(first);
-  c->sse.emplace(c->req);
+  for (int32_t i = 1; i < c->req.n; ++i) StartChoice(*c, i, req);
+
+  if (!c->req.stream) {
+    first.acc.Add(m);
+    for (auto& ch : c->choices) {
+      while (!ch->acc.finished && ch->reader->Read(&m)) ch->acc.Add(m);
+      const grpc::Status& gs = ch->Finish();
+      if (!gs.ok()) return SendGenerateError(res, ch->ctx, gs, kind);
+      if (!ch->acc.finished) {
+        return SendError(res, ErrorFromStatus(absl::InternalError(
+                                                  "the generation ended without a final message"),
+                                              kind));
+      }
+    }
+    return SendJson(res, 200, CompletionJson(c->req, c->Results()));
+  }
+
+  // Streaming: the status line waited for the first token, so early refusals keep their code.
+  // The choices are read in turn, one message each: they decode side by side, in step.
+  c->pending = std::move(m);
+  for (int32_t i = 0; i < c->req.n; ++i) c->choices[static_cast<size_t>(i)]->sse.emplace(c->req, i);
   res.status = 200;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
@@ -395,29 +431,43 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
     };
     if (!c->opened) {
       c->opened = true;
-      if (!put(c->sse->Open())) return false;
+      for (auto& ch : c->choices) {
+        if (!put(ch->sse->Open())) return false;
+      }
+    }
+    Choice* ch = nullptr;
+    for (size_t k = 0; k < c->choices.size() && ch == nullptr; ++k) {
+      Choice* x = c->choices[(c->next + k) % c->choices.size()].get();
+      if (!x->done) {
+        ch = x;
+        c->next = (c->next + k + 1) % c->choices.size();
+      }
     }
     v1::GenerateResponse m;
-    if (c->pending) {
+    if (ch == c->choices[0].get() && c->pending) {
       m = std::move(*c->pending);
       c->pending.reset();
-    } else if (!c->reader->Read(&m)) {
-      const grpc::Status& gs = c->Finish();
+    } else if (!ch->reader->Read(&m)) {
+      const grpc::Status& gs = ch->Finish();
       const absl::Status st =
           gs.ok() ? absl::InternalError("the generation ended without a final message")
                   : services::FromGrpcStatus(gs);
-      put(c->sse->Error(ErrorFromStatus(st, kind)));
+      put(ch->sse->Error(ErrorFromStatus(st, kind)));
       sink.done();
       return true;
     }
-    c->acc.Add(m);
-    if (!put(c->sse->Delta(m.text()))) return false;
+    ch->acc.Add(m);
+    if (!put(ch->sse->Delta(m))) return false;
     if (m.finished()) {
-      while (c->reader->Read(&m)) {
+      while (ch->reader->Read(&m)) {
       }
-      c->Finish();
-      if (!put(c->sse->Finish(c->acc))) return false;
-      sink.done();
+      ch->Finish();
+      ch->done = true;
+      if (!put(ch->sse->Finish(ch->acc))) return false;
+      if (std::all_of(c->choices.begin(), c->choices.end(), [](const auto& x) { return x->done; })) {
+        if (!put(ch->sse->Done(c->Results()))) return false;
+        sink.done();
+      }
     }
     return true;
   });

@@ -87,10 +87,12 @@ class HttpServer {
   int watched_connections() const { return watcher_.watched(); }
 
  private:
+  struct Choice;
   struct Call;
   HttpServer() = default;
   void Register();
   void HandleGenerate(ApiKind kind, const httplib::Request& req, httplib::Response& res);
+  void StartChoice(Call& c, int32_t index, const httplib::Request& req);
   void Track(Call* c);
   void Untrack(Call* c);
 

@@ -1,6 +1,7 @@
 #include "services/router/request_validation.h"
 
 #include "absl/strings/str_cat.h"
+#include "engine/sampling/constraint.h"
 #include "services/common/sampling_convert.h"
 
 namespace tandem::router {
@@ -76,6 +77,16 @@ absl::Status ValidateGenerateRequest(const v1::GenerateRequest& req, const Route
   *sampling = services::SamplingFromProto(req.sampling());
   if (absl::Status st = engine::ValidateSamplingParams(*sampling, vocab); !st.ok()) {
     return absl::Status(st.code(), absl::StrCat("sampling.", st.message()));
+  }
+  // A response format compiles here first (cached, as on the workers): a bad schema is
+  // refused before any worker is asked.
+  if (sampling->constraint.kind != engine::Constraint::Kind::kNone) {
+    absl::StatusOr<std::unique_ptr<engine::Sampler>> s =
+        engine::MakeSampler(*sampling, model.tokenizer(), *prompt);
+    if (!s.ok()) {
+      return absl::Status(s.status().code(),
+                          absl::StrCat("sampling.response_format.", s.status().message()));
+    }
   }
   const int64_t n = static_cast<int64_t>(prompt->size());
   const int64_t ctx = model.ctx_size();

@@ -147,11 +147,14 @@ class InferenceService::GenerateReactor final
     (*active_)--;
     delete this;
   }
+  // A Chat call's request, rendered (Generate's is gRPC's own).
+  v1::GenerateRequest& owned_request() { return owned_; }
 
  private:
   std::atomic<int>* active_;
   std::coroutine_handle<> write_waiter_;
   bool write_ok_ = false;
+  v1::GenerateRequest owned_;
 };
 
 // The text of a request after a migration, produced by the router exactly as the decode
@@ -299,6 +302,12 @@ struct InferenceService::Call {
     if (migrations > 0) {
       s.set_max_tokens(req.engine_sampling.max_tokens - static_cast<int32_t>(sent_tokens.size()));
       s.clear_stop();
+      // The tokens sent so far were generated under the format: the next worker's matcher
+      // starts after them (they end its prompt).
+      if (s.response_format().format_case() != v1::ResponseFormat::FORMAT_NOT_SET) {
+        s.mutable_response_format()->set_generated(s.response_format().generated() +
+                                                   static_cast<int32_t>(sent_tokens.size()));
+      }
     }
     return s;
   }
@@ -421,6 +430,56 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
   // Runs here until its first wait; gRPC holds what the reactor does before it is returned.
   Spawn(Drive(r, ctx, req));
   return r;
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Chat(
+    grpc::CallbackServerContext* ctx, const v1::ChatRequest* req) {
+  active_++;  // until the reactor's OnDone
+  auto* r = new GenerateReactor(&active_);
+  absl::StatusOr<v1::GenerateRequest> g = RenderChat(*req);
+  if (!g.ok()) {
+    failed_++;
+    r->Finish(services::ToGrpcStatus(g.status()));
+    return r;
+  }
+  r->owned_request() = std::move(*g);
+  Spawn(Drive(r, ctx, &r->owned_request()));
+  return r;
+}
+
+absl::StatusOr<v1::GenerateRequest> InferenceService::RenderChat(const v1::ChatRequest& req) const {
+  if (model() == nullptr || models_->chat() == nullptr) return ModelHolder::NotYetKnown();
+  if (req.messages().empty()) return absl::InvalidArgumentError("messages must not be empty");
+  if (static_cast<size_t>(req.messages_size()) > kMaxChatMessages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "messages holds ", req.messages_size(), " messages; at most ", kMaxChatMessages));
+  }
+  std::vector<ChatMessage> messages;
+  for (const v1::ChatMessage& m : req.messages()) messages.push_back({m.role(), m.content()});
+  absl::StatusOr<std::string> text =
+      models_->chat()->Render(messages, !req.has_add_generation_prompt() ||
+                                            req.add_generation_prompt());
+  if (!text.ok()) return text.status();
+  v1::GenerateRequest g;
+  g.set_request_id(req.request_id());
+  g.set_model(req.model());
+  g.set_text(*text);
+  *g.mutable_sampling() = req.sampling();
+  for (const std::string& s : models_->chat()->extra_stop_strings()) {
+    g.mutable_sampling()->add_stop(s);
+  }
+  if (!req.sampling().has_max_tokens()) {
+    // As the HTTP API: what the context leaves (at least 1, so an over-long prompt gets the
+    // context error).
+    const int64_t n = static_cast<int64_t>(
+        model()->tokenizer().Encode(*text, /*add_special=*/true, /*parse_special=*/true).size());
+    g.mutable_sampling()->set_max_tokens(
+        static_cast<int32_t>(std::max<int64_t>(1, model()->ctx_size() - n)));
+  }
+  g.set_priority(req.priority());
+  g.set_ttft_target_ms(req.ttft_target_ms());
+  g.set_tpot_target_ms(req.tpot_target_ms());
+  return g;
 }
 
 Task<void> InferenceService::Drive(GenerateReactor* r, grpc::CallbackServerContext* ctx,
@@ -784,6 +843,9 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
   *dreq.mutable_sampling() = sampling;
   dreq.set_first_token_id(pr.first_token_id());
+  if (pr.has_first_token_logprobs()) {
+    *dreq.mutable_first_token_logprobs() = pr.first_token_logprobs();
+  }
   *dreq.mutable_block_checksums() = pr.block_checksums();
   *dreq.mutable_draft_block_checksums() = pr.draft_block_checksums();
   // For the decode worker's kv_transfer_* series.
@@ -856,6 +918,9 @@ Task<absl::Status> InferenceService::RelayDecode(Call& c, Assignment& d,
         text += c.text->Push(msg.token_ids(kept));
       }
       msg.mutable_token_ids()->Truncate(kept);
+      if (msg.logprobs_size() > kept) {
+        msg.mutable_logprobs()->DeleteSubrange(kept, msg.logprobs_size() - kept);
+      }
       if (c.text->reason() != engine::FinishReason::kNone) {
         if (!msg.finished()) router_finished = true;
         msg.set_finished(true);

@@ -134,7 +134,8 @@ struct PreparedRequest {
 // per stream, whatever the speeds of the worker and the client). Tokenize and ListModels, short
 // and CPU-bound, stay synchronous.
 class InferenceService final
-    : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
+    : public v1::Inference::WithCallbackMethod_Generate<
+          v1::Inference::WithCallbackMethod_Chat<v1::Inference::Service>> {
  public:
   // `metrics` (may be null: nothing recorded) must outlive the service.
   // Every call answers UNAVAILABLE while `models` knows no model yet (model_holder.h).
@@ -144,6 +145,9 @@ class InferenceService final
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) override;
+  // Renders the messages with the model's chat template, then serves it as Generate.
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
+                                                       const v1::ChatRequest* req) override;
   grpc::Status Tokenize(grpc::ServerContext* ctx, const v1::TokenizeRequest* req,
                         v1::TokenizeResponse* resp) override;
   grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest* req,
@@ -173,6 +177,9 @@ class InferenceService final
   struct Call;            // one Generate in progress
   class RouterText;       // a migrated request's text, made by the router
   class GenerateReactor;  // the client's stream
+  // A Chat request as the GenerateRequest it stands for; INVALID_ARGUMENT naming the message
+  // the template refuses, UNAVAILABLE before the model is known.
+  absl::StatusOr<v1::GenerateRequest> RenderChat(const v1::ChatRequest& req) const;
   Task<void> Drive(GenerateReactor* r, grpc::CallbackServerContext* ctx,
                    const v1::GenerateRequest* req);
   Task<absl::Status> Serve(GenerateReactor* r, grpc::CallbackServerContext* ctx,

@@ -56,12 +56,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     }
     case 2: {
-      nlohmann::json out;
+      nlohmann::ordered_json out;
       (void)Tokenize(body, model, Chat(), &out);
       break;
     }
     default: {
-      nlohmann::json out;
+      nlohmann::ordered_json out;
       if (!Detokenize(body, model, &out)) (void)DumpJson(out);
       break;
     }

@@ -90,6 +90,39 @@ TEST(ChatTemplateTest, RendersLlama3) {
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
+TEST(ChatTemplateTest, RendersToolsCallsAndResponses) {
+  const ChatTemplate t = ChatTemplate::FromTemplateText(kChatmlTemplate);
+  const std::string tool =
+      R"({"type":"function","function":{"name":"look","parameters":{"type":"object"}}})";
+  std::vector<ChatMessage> m = {{"user", "Where am I?"}};
+  ChatMessage call{"assistant", "", {{"call_1", "look", R"({"dir":"north"})"}}, ""};
+  m.push_back(call);
+  m.push_back({"tool", "a cave", {}, "call_1"});
+  absl::StatusOr<std::string> s = t.Render(m, true, {&tool, 1});
+  ASSERT_TRUE(s.ok()) << s.status();
+  // A system turn lists the tool and how to call it; the call and the response are text.
+  EXPECT_EQ(s->rfind("<|im_start|>system\n# Tools\n", 0), 0u) << *s;
+  EXPECT_NE(s->find("<tools>\n" + tool + "\n</tools>"), std::string::npos) << *s;
+  EXPECT_NE(s->find("<|im_start|>user\nWhere am I?<|im_end|>\n"
+                    "<|im_start|>assistant\n<tool_call>\n"
+                    "{\"name\": \"look\", \"arguments\": {\"dir\":\"north\"}}\n"
+                    "</tool_call><|im_end|>\n"
+                    "<|im_start|>tool\n<tool_response>\na cave\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n"),
+            std::string::npos)
+      << *s;
+  // An existing system turn gets the list appended.
+  std::vector<ChatMessage> sys = {{"system", "Be brief."}, {"user", "hi"}};
+  absl::StatusOr<std::string> s2 = t.Render(sys, true, {&tool, 1});
+  ASSERT_TRUE(s2.ok());
+  EXPECT_EQ(s2->rfind("<|im_start|>system\nBe brief.\n\n# Tools\n", 0), 0u) << *s2;
+  // Llama-2 has no place for them.
+  const ChatTemplate l2 = ChatTemplate::FromTemplateText(kLlama2Template);
+  absl::StatusOr<std::string> bad = l2.Render(sys, true, {&tool, 1});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(l2.Render(m, true).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ChatTemplateTest, RendersLlama2WithAndWithoutSysBlock) {
   const ChatTemplate t = ChatTemplate::FromTemplateText(kLlama2Template);
   absl::StatusOr<std::string> s = t.Render(Conversation(), true);

@@ -24,7 +24,7 @@ namespace tandem::router {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 class HttpOpenAiTest : public ::testing::Test {
  protected:
@@ -44,6 +44,11 @@ class HttpOpenAiTest : public ::testing::Test {
 
   std::optional<HttpError> Parse(ApiKind kind, const std::string& body, OpenAiRequest* out) {
     return ParseOpenAiRequest(kind, body, *model_, chat_, out);
+  }
+  ::testing::AssertionResult Parses(ApiKind kind, const std::string& body, OpenAiRequest* out) {
+    std::optional<HttpError> e = Parse(kind, body, out);
+    if (!e) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << e->param << ": " << e->message;
   }
   HttpError ParseError(ApiKind kind, const std::string& body) {
     OpenAiRequest r;
@@ -158,8 +163,17 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
   };
   const std::vector<Case> cases = {
       {ApiKind::kCompletion, "{not json", "", "not valid JSON"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "metadata": )" + std::string(65, '[') +
+                                 std::string(65, ']') + "}",
+       "", "deeper than 64"},
       {ApiKind::kCompletion, "[1, 2]", "", "JSON object"},
-      {ApiKind::kCompletion, R"({"prompt": "x", "n": 2})", "n", "n must be 1"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "n": 0})", "n", "[1, 16]"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "n": 17})", "n", "[1, 16]"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "n": 2, "best_of": 3})", "best_of", "equal n"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "echo": true, "logprobs": 1})", "echo",
+       "logprobs"},
+      {ApiKind::kChat, R"({"messages": [{"role": "user", "content": "x"}], "echo": true})",
+       "echo", "completions only"},
       {ApiKind::kCompletion, R"({"prompt": "x", "model": "gpt-4"})", "model", "gpt-4"},
       {ApiKind::kCompletion, R"({"prompt": "x", "max_tokens": "5"})", "max_tokens", "integer"},
       {ApiKind::kCompletion, R"({"prompt": "x", "max_tokens": 0})", "max_tokens", "[1,"},
@@ -172,8 +186,14 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
       {ApiKind::kCompletion, R"({"prompt": "x", "priority": 1})", "priority", "string"},
       {ApiKind::kCompletion, R"({"prompt": "x", "stream_options": {"include_usage": true}})",
        "stream_options", "stream: true"},
-      {ApiKind::kCompletion, R"({"prompt": "x", "echo": true})", "echo", "not supported"},
-      {ApiKind::kCompletion, R"({"prompt": "x", "logprobs": 2})", "logprobs", "not supported"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "logprobs": 21})", "logprobs", "[0, 20]"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "logprobs": true})", "logprobs", "integer"},
+      {ApiKind::kChat, R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
+       "top_logprobs", "needs logprobs"},
+      {ApiKind::kChat,
+       R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true,
+           "top_logprobs": -1})",
+       "top_logprobs", "[0, 20]"},
       {ApiKind::kCompletion, R"({"prompt": "x", "best_of": 3})", "best_of", "best_of"},
       {ApiKind::kCompletion, R"({"max_tokens": 3})", "prompt", "prompt is required"},
       {ApiKind::kCompletion, R"({"prompt": ["a", "b"]})", "prompt", "one prompt"},
@@ -188,11 +208,16 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
        R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})",
        "messages[0].content", "text"},
       {ApiKind::kChat, R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})",
-       "tools", "not supported"},
+       "tools[0]", "must be"},
+      {ApiKind::kChat,
+       R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}})",
+       "response_format.type", "json_schema"},
       {ApiKind::kChat,
        R"({"messages": [{"role": "user", "content": "x"}],
-           "response_format": {"type": "json_object"}})",
-       "response_format", "text"},
+           "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})",
+       "response_format.json_schema.schema", "required"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "response_format": "json"})", "response_format",
+       "object"},
   };
   for (const Case& c : cases) {
     const HttpError e = ParseError(c.kind, c.body);
@@ -203,6 +228,10 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
   }
   EXPECT_EQ(ParseError(ApiKind::kCompletion, R"({"prompt": "x", "model": "gpt-4"})").code,
             "model_not_found");
+  // Brackets inside strings are text, not nesting.
+  OpenAiRequest deep;
+  EXPECT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt": ")" + std::string(100, '[') + R"(\"{"})", &deep));
   // null means unset, as OpenAI's clients send it.
   OpenAiRequest r;
   EXPECT_FALSE(Parse(ApiKind::kCompletion,
@@ -292,12 +321,20 @@ TEST_F(HttpOpenAiTest, ResponseAndChunkShapes) {
   EXPECT_EQ(full["id"], r.id);
   EXPECT_EQ(full["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(full["choices"][0]["message"]["content"], "Hello");
+  EXPECT_TRUE(full["choices"][0]["message"]["refusal"].is_null());
+  EXPECT_TRUE(full["choices"][0]["logprobs"].is_null());  // not asked for
   EXPECT_EQ(full["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(full["usage"]["total_tokens"], 7);
 
   SseEncoder enc(r);
-  const std::string sse =
-      enc.Open() + enc.Delta("Hel") + enc.Delta("") + enc.Delta("lo") + enc.Finish(a);
+  // One statement per call: the encoder keeps state, and the operands of + are evaluated in no
+  // set order.
+  std::string sse = enc.Open();
+  sse += enc.Delta(Msg("Hel", 5));
+  sse += enc.Delta(Msg("", 6));
+  sse += enc.Delta(Msg("lo", 7));
+  sse += enc.Finish(a);
+  sse += enc.Done({&a, 1});
   const std::vector<json> ev = Events(sse);
   ASSERT_EQ(ev.size(), 6u);  // role, two deltas, finish, usage, [DONE]
   for (int i = 0; i < 5; ++i) {
@@ -319,7 +356,10 @@ TEST_F(HttpOpenAiTest, ResponseAndChunkShapes) {
   ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt": "x", "stream": true})", &c));
   SseEncoder ce(c);
   EXPECT_EQ(ce.Open(), "");
-  const std::vector<json> cev = Events(ce.Delta("ab") + ce.Finish(a));
+  std::string csse = ce.Delta(Msg("ab", 5));
+  csse += ce.Finish(a);
+  csse += ce.Done({&a, 1});
+  const std::vector<json> cev = Events(csse);
   ASSERT_EQ(cev.size(), 3u);  // text, finish, [DONE]: no usage chunk unless asked
   EXPECT_EQ(cev[0]["object"], "text_completion");
   EXPECT_EQ(cev[0]["choices"][0]["text"], "ab");
@@ -329,6 +369,321 @@ TEST_F(HttpOpenAiTest, ResponseAndChunkShapes) {
   ASSERT_EQ(err.size(), 2u);
   EXPECT_EQ(err[0]["error"]["message"], "lost");
   EXPECT_EQ(err[1], "[DONE]");
+}
+
+// A message of tokens with log-probabilities: token t has logprob -t/10 and alternatives t
+// (the same value) and t+1.
+v1::GenerateResponse LogprobMsg(const std::string& text, std::vector<int> tokens,
+                                bool finished = false) {
+  v1::GenerateResponse m = Msg(text, tokens[0], finished);
+  for (size_t i = 1; i < tokens.size(); ++i) m.add_token_ids(tokens[i]);
+  for (int t : tokens) {
+    v1::TokenLogprobs* l = m.add_logprobs();
+    l->set_logprob(-t / 10.0f);
+    l->add_top_ids(t);
+    l->add_top_logprobs(-t / 10.0f);
+    l->add_top_ids(t + 1);
+    l->add_top_logprobs(-(t + 1) / 10.0f);
+  }
+  return m;
+}
+
+TEST_F(HttpOpenAiTest, LogprobsInChatAndCompletionShapes) {
+  const engine::Tokenizer& tok = model_->tokenizer();
+  OpenAiRequest chat;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true,
+                         "top_logprobs": 2, "stream": true})",
+                     &chat));
+  EXPECT_EQ(chat.logprobs, 2);
+  EXPECT_EQ(chat.generate.sampling().logprobs(), 2);
+  Accumulated a;
+  a.Add(LogprobMsg("ab", {5, 6}));
+  a.Add(LogprobMsg("", {7}));
+  a.Add(LogprobMsg("c", {8}, true));
+  const json full = CompletionJson(chat, a);
+  const json& content = full["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const int t = 5 + static_cast<int>(i);
+    const std::string piece = tok.TokenToPiece(t, true);
+    EXPECT_EQ(content[i]["token"], piece);
+    EXPECT_FLOAT_EQ(content[i]["logprob"].get<float>(), -t / 10.0f);
+    EXPECT_EQ(content[i]["bytes"].size(), piece.size());
+    ASSERT_EQ(content[i]["top_logprobs"].size(), 2u);
+    EXPECT_EQ(content[i]["top_logprobs"][1]["token"], tok.TokenToPiece(t + 1, true));
+    EXPECT_FLOAT_EQ(content[i]["top_logprobs"][1]["logprob"].get<float>(), -(t + 1) / 10.0f);
+  }
+  EXPECT_TRUE(full["choices"][0]["logprobs"]["refusal"].is_null());
+
+  // Streamed: a token whose text is held back sends its log-probabilities with the next text.
+  SseEncoder enc(chat);
+  std::string sse = enc.Open();
+  sse += enc.Delta(LogprobMsg("ab", {5, 6}));
+  sse += enc.Delta(LogprobMsg("", {7}));
+  sse += enc.Delta(LogprobMsg("c", {8}));
+  sse += enc.Finish(a);
+  sse += enc.Done({&a, 1});
+  const std::vector<json> ev = Events(sse);
+  ASSERT_EQ(ev.size(), 5u);  // role, "ab", "c", finish, [DONE]
+  EXPECT_TRUE(ev[0]["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(ev[1]["choices"][0]["logprobs"]["content"].size(), 2u);
+  ASSERT_EQ(ev[2]["choices"][0]["logprobs"]["content"].size(), 2u);
+  EXPECT_EQ(ev[2]["choices"][0]["logprobs"]["content"][0]["token"], tok.TokenToPiece(7, true));
+  EXPECT_TRUE(ev[3]["choices"][0]["logprobs"].is_null());  // nothing left to send
+
+  OpenAiRequest cmpl;
+  ASSERT_TRUE(Parses(ApiKind::kCompletion, R"({"prompt": "x", "logprobs": 1})", &cmpl));
+  EXPECT_EQ(cmpl.generate.sampling().logprobs(), 1);
+  const json lp = CompletionJson(cmpl, a)["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), 4u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 4u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 4u);
+  int64_t offset = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    const int t = 5 + static_cast<int>(i);
+    const std::string piece = tok.TokenToPiece(t, true);
+    EXPECT_EQ(lp["tokens"][i], piece);
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), -t / 10.0f);
+    EXPECT_EQ(lp["text_offset"][i], offset);
+    offset += static_cast<int64_t>(piece.size());
+    EXPECT_TRUE(lp["top_logprobs"][i].contains(piece));
+    EXPECT_TRUE(lp["top_logprobs"][i].contains(tok.TokenToPiece(t + 1, true)));
+  }
+  // Off unless asked for: no field reaches the workers.
+  OpenAiRequest off;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "x"}], "logprobs": false})",
+                     &off));
+  EXPECT_EQ(off.logprobs, -1);
+  EXPECT_FALSE(off.generate.sampling().has_logprobs());
+}
+
+TEST_F(HttpOpenAiTest, SeveralChoicesAndEcho) {
+  OpenAiRequest r;
+  ASSERT_TRUE(Parses(ApiKind::kCompletion,
+                     R"({"prompt": "hello", "n": 3, "best_of": 3, "seed": 40, "echo": true,
+                         "stream": true, "stream_options": {"include_usage": true}})",
+                     &r));
+  EXPECT_EQ(r.n, 3);
+  EXPECT_TRUE(r.echo);
+  EXPECT_EQ(r.echo_text, "hello");
+  // Each choice its own call: its own request id and seed.
+  for (int32_t i = 0; i < 3; ++i) {
+    const v1::GenerateRequest g = ChoiceRequest(r, i);
+    EXPECT_EQ(g.request_id(), i == 0 ? r.id : absl::StrCat(r.id, "-", i));
+    EXPECT_EQ(g.sampling().seed(), 40u + static_cast<uint64_t>(i));
+    EXPECT_EQ(g.text(), "hello");
+  }
+  std::vector<Accumulated> acc(3);
+  acc[0].Add(Msg("a", 5, true));
+  acc[1].Add(Msg("b", 6, true));
+  acc[2].Add(Msg("c", 7, true));
+  const json full = CompletionJson(r, acc);
+  ASSERT_EQ(full["choices"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(full["choices"][i]["index"], i);
+    EXPECT_EQ(full["choices"][i]["text"], "hello" + std::string(1, static_cast<char>('a' + i)));
+  }
+  // The prompt once, every choice's tokens (Msg's usage says 3 each).
+  EXPECT_EQ(full["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(full["usage"]["completion_tokens"], 9);
+  EXPECT_EQ(full["usage"]["total_tokens"], 13);
+
+  SseEncoder e1(r, 1);
+  std::string sse = e1.Open();
+  sse += e1.Delta(Msg("b", 6));
+  sse += e1.Finish(acc[1]);
+  sse += e1.Done(acc);
+  const std::vector<json> ev = Events(sse);
+  ASSERT_EQ(ev.size(), 5u);  // echo, "b", finish, usage, [DONE]
+  EXPECT_EQ(ev[0]["choices"][0]["text"], "hello");
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(ev[i]["choices"][0]["index"], 1);
+  EXPECT_EQ(ev[3]["usage"]["completion_tokens"], 9);
+
+  // Token-id prompts echo their text.
+  OpenAiRequest ids;
+  const std::vector<int32_t> toks = model_->tokenizer().Encode("hi there", false, false);
+  ASSERT_TRUE(Parses(ApiKind::kCompletion,
+                     json({{"prompt", toks}, {"echo", true}}).dump(), &ids));
+  EXPECT_EQ(ids.echo_text, model_->tokenizer().Decode(toks, false));
+}
+
+TEST_F(HttpOpenAiTest, ResponseFormatsReachTheSamplingParams) {
+  OpenAiRequest r;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_object"}})",
+                     &r));
+  EXPECT_TRUE(r.generate.sampling().response_format().json_object());
+  ASSERT_TRUE(Parses(ApiKind::kCompletion,
+                     R"({"prompt": "x", "response_format": {"type": "json_schema",
+                         "json_schema": {"name": "npc", "strict": true, "schema":
+                         {"type": "object", "properties": {"mood": {"enum": ["calm", "angry"]}},
+                          "required": ["mood"], "additionalProperties": false}}}})",
+                     &r));
+  const json schema = json::parse(r.generate.sampling().response_format().json_schema());
+  EXPECT_EQ(schema["properties"]["mood"]["enum"][1], "angry");
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "text"}})",
+                     &r));
+  EXPECT_FALSE(r.generate.sampling().has_response_format());
+}
+
+constexpr char kWeatherTools[] = R"("tools": [
+  {"type": "function", "function": {"name": "get_weather", "description": "weather now",
+   "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                  "required": ["city"], "additionalProperties": false}}},
+  {"type": "function", "function": {"name": "wave"}}])";
+
+TEST_F(HttpOpenAiTest, ToolsAreListedInThePromptAndRequiredCallsAreConstrained) {
+  OpenAiRequest r;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools, "}"),
+                     &r));
+  EXPECT_EQ(r.tool_choice, ToolChoice::kAuto);
+  EXPECT_EQ(r.tool_names, (std::vector<std::string>{"get_weather", "wave"}));
+  EXPECT_NE(r.generate.text().find("<tools>"), std::string::npos);
+  EXPECT_NE(r.generate.text().find("\"name\":\"get_weather\""), std::string::npos);
+  EXPECT_FALSE(r.generate.sampling().has_response_format());  // auto: the model is free
+
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools, R"(, "tool_choice": "required"})"),
+                     &r));
+  EXPECT_EQ(r.tool_choice, ToolChoice::kRequired);
+  const json any = json::parse(r.generate.sampling().response_format().json_schema());
+  ASSERT_EQ(any["anyOf"].size(), 2u);
+  EXPECT_EQ(any["anyOf"][0]["properties"]["name"]["const"], "get_weather");
+  EXPECT_EQ(any["anyOf"][0]["properties"]["arguments"]["required"][0], "city");
+
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools,
+                                  R"(, "tool_choice": {"type": "function",
+                                     "function": {"name": "wave"}}})"),
+                     &r));
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNamed);
+  const json one = json::parse(r.generate.sampling().response_format().json_schema());
+  EXPECT_EQ(one["properties"]["name"]["const"], "wave");
+
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools, R"(, "tool_choice": "none"})"),
+                     &r));
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(r.generate.text().find("<tools>"), std::string::npos);
+
+  // A conversation that called a tool and got its answer renders both.
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"},
+                        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_9",
+                         "type": "function", "function": {"name": "wave", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_9", "content": "waved"}], )",
+                                  kWeatherTools, "}"),
+                     &r));
+  EXPECT_NE(r.generate.text().find("{\"name\": \"wave\", \"arguments\": {}}"),
+            std::string::npos)
+      << r.generate.text();
+  EXPECT_NE(r.generate.text().find("<tool_response>\nwaved\n</tool_response>"), std::string::npos);
+
+  const std::string msg = R"({"messages": [{"role": "user", "content": "x"}], )";
+  struct Case {
+    std::string body, param, needle;
+  };
+  for (const Case& c : std::vector<Case>{
+           {msg + R"("tools": {}})", "tools", "array"},
+           {msg + R"("tools": [{"type": "function", "function": {"name": "a b"}}]})",
+            "tools[0].function.name", "letters"},
+           {msg + R"("tools": [{"type": "function", "function": {"name": "a"}},
+                              {"type": "function", "function": {"name": "a"}}]})",
+            "tools[1].function.name", "another tool"},
+           {msg + R"("tools": [{"type": "function", "function": {"name": "a",
+                     "parameters": {"type": "integer", "minimum": 1}}}]})",
+            "tools[0].function.parameters", "minimum"},
+           {msg + R"("tool_choice": "required"})", "tool_choice", "needs tools"},
+           {msg + kWeatherTools + R"(, "tool_choice": "sometimes"})", "tool_choice", "required"},
+           {msg + kWeatherTools +
+                R"(, "tool_choice": {"type": "function", "function": {"name": "fly"}}})",
+            "tool_choice", "fly"},
+           {msg + kWeatherTools +
+                R"(, "tool_choice": "required", "response_format": {"type": "json_object"}})",
+            "response_format", "tool_choice"},
+       }) {
+    const HttpError e = ParseError(ApiKind::kChat, c.body);
+    EXPECT_EQ(e.param, c.param) << c.body << ": " << e.message;
+    EXPECT_NE(e.message.find(c.needle), std::string::npos) << c.body << ": " << e.message;
+  }
+}
+
+TEST_F(HttpOpenAiTest, ToolCallsInResponsesAndStreams) {
+  OpenAiRequest req;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools, R"(, "tool_choice": "required", "stream": true})"),
+                     &req));
+  Accumulated a;
+  a.Add(Msg(R"({"name": "get_weather", "arguments": {"city": "Oslo"}})", 5, true));
+  json full = CompletionJson(req, a);
+  const json& m = full["choices"][0]["message"];
+  EXPECT_EQ(full["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_TRUE(m["content"].is_null());
+  ASSERT_EQ(m["tool_calls"].size(), 1u);
+  EXPECT_EQ(m["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(m["tool_calls"][0]["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_EQ(m["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(m["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json({{"city", "Oslo"}}));
+  // Streamed: nothing until the call is whole, then one delta with it.
+  SseEncoder enc(req);
+  std::string sse = enc.Open();
+  sse += enc.Delta(Msg(R"({"name": "get_wea)", 5));
+  sse += enc.Finish(a);
+  sse += enc.Done({&a, 1});
+  std::vector<json> ev = Events(sse);
+  ASSERT_EQ(ev.size(), 4u);  // role, tool_calls, finish, [DONE]
+  EXPECT_EQ(ev[1]["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+  EXPECT_EQ(ev[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(ev[2]["choices"][0]["finish_reason"], "tool_calls");
+
+  // auto: text streams until a call may begin; the call is found in what the model wrote.
+  OpenAiRequest autoreq;
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                  kWeatherTools, R"(, "stream": true})"),
+                     &autoreq));
+  const std::string text =
+      "Let me check. <tool_call>\n{\"name\": \"wave\", \"arguments\": {}}\n</tool_call>";
+  Accumulated b;
+  b.Add(Msg(text, 5, true));
+  const ToolCallOutput t = ParseToolCalls(autoreq, text);
+  ASSERT_EQ(t.calls.size(), 1u);
+  EXPECT_EQ(t.calls[0].name, "wave");
+  EXPECT_EQ(t.content, "Let me check. ");
+  SseEncoder ae(autoreq);
+  sse = ae.Delta(Msg("Let me check. <tool", 5));
+  sse += ae.Delta(Msg(text.substr(19), 6));
+  sse += ae.Finish(b);
+  ev = Events(sse);
+  ASSERT_EQ(ev.size(), 3u);  // the text before the tag, the call, finish
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["content"], "Let me check. ");
+  EXPECT_EQ(ev[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "wave");
+  EXPECT_EQ(ev[2]["choices"][0]["finish_reason"], "tool_calls");
+  // A block that is not a call of these tools stays text.
+  const ToolCallOutput u =
+      ParseToolCalls(autoreq, "<tool_call>{\"name\": \"fly\", \"arguments\": {}}</tool_call>");
+  EXPECT_TRUE(u.calls.empty());
+  EXPECT_NE(u.content.find("fly"), std::string::npos);
+  const json plain = CompletionJson(autoreq, [] {
+    Accumulated c;
+    c.Add(Msg("Just words.", 5, true));
+    return c;
+  }());
+  EXPECT_EQ(plain["choices"][0]["message"]["content"], "Just words.");
+  EXPECT_FALSE(plain["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(plain["choices"][0]["finish_reason"], "stop");
 }
 
 TEST_F(HttpOpenAiTest, TokenizeAndDetokenize) {
