@@ -1,26 +1,22 @@
 #!/usr/bin/env bash
-# Fetches the official `openai` npm package at a pinned version into .cache/openai-client
-# (git-ignored) for tests/integration/openai_client. `npm pack` downloads only the package
-# tarball, which is unpacked as node_modules/openai: openai 6 has no runtime dependencies.
-# Version: the newest major needs Node 22; 6.30.1 runs on the Node 20 these machines have.
-# Idempotent; scripts/setup.sh (and so `make test`) calls it. The test skips when the package
-# is absent.
+# Installs the real clients the HTTP and gRPC conformance tests drive (the official `openai`
+# package, the Vercel AI SDK, LangChain, `buf curl`) and the schema tooling (ts-json-schema-
+# generator, ajv) into .cache/openai-client (git-ignored), at the versions pinned in
+# tests/integration/openai_client/package.json and package-lock.json (`npm ci`). The versions
+# are the newest that run on the Node 20 these machines have.
+# Idempotent; scripts/setup.sh (and so `make test`) calls it. The tests skip what is absent.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-version=$(sed -n 's/.*"openai": *"\([0-9.]*\)".*/\1/p' "$here/tests/integration/openai_client/package.json")
+src="$here/tests/integration/openai_client"
 dest="$here/.cache/openai-client"
-stamp="$dest/.complete-$version"
+stamp="$dest/.complete-$(cat "$src/package.json" "$src/package-lock.json" | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 command -v npm >/dev/null || { echo "fetch_openai_client: npm is not installed" >&2; exit 1; }
 
 mkdir -p "$dest"
-tgz="$dest/openai-$version.tgz"
-if [ ! -f "$tgz" ]; then
-  echo "fetch_openai_client: npm pack openai@$version"
-  (cd "$dest" && npm pack --silent "openai@$version" >/dev/null)
-fi
-rm -rf "$dest/node_modules/openai"
-mkdir -p "$dest/node_modules/openai"
-tar -xzf "$tgz" -C "$dest/node_modules/openai" --strip-components=1
+cp "$src/package.json" "$src/package-lock.json" "$dest/"
+echo "fetch_openai_client: npm ci (tests/integration/openai_client) into $dest"
+# No install scripts: @bufbuild/buf's only checks that its platform package is present.
+(cd "$dest" && npm ci --silent --no-audit --no-fund --ignore-scripts >/dev/null)
+rm -f "$dest"/.complete-*
 touch "$stamp"
-echo "fetch_openai_client: openai@$version in $dest/node_modules/openai"
