@@ -357,10 +357,16 @@ TEST_F(HttpServerTest, BadRequestsGetOpenAiErrorsAndTheServerKeepsServing) {
   StartRouter();
   AddWorkers();
   ExpectError(Post("/v1/completions", "{\"prompt\": "), 400);
-  ExpectError(Post("/v1/completions", R"({"prompt": "x", "n": 2})"), 400, "n");
+  ExpectError(Post("/v1/completions", R"({"prompt": "x", "n": 17})"), 400, "n");
   ExpectError(
-      Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 2})"),
+      Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 0})"),
       400, "n");
+  ExpectError(Post("/v1/completions", R"({"prompt": "x", "logprobs": 21})"), 400, "logprobs");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": "x"}],
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"schema": {"type": "nope"}}}})"),
+              400);
   httplib::Result unknown = Post("/v1/completions", R"({"prompt": "x", "model": "gpt-9"})");
   ExpectError(unknown, 400, "model");
   EXPECT_EQ(Body(unknown)["error"]["code"], "model_not_found");
