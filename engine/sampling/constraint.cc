@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "engine/sampling/grammar_text.h"
 #include "engine/sampling/json_schema.h"
 
 namespace tandem::engine {
@@ -38,9 +39,16 @@ absl::StatusOr<std::shared_ptr<const TokenConstraint>> CompileConstraint(const C
       }
     }
   }
-  absl::StatusOr<Grammar> g = c.kind == Constraint::Kind::kJsonObject
-                                  ? absl::StatusOr<Grammar>(JsonObjectGrammar())
-                                  : JsonSchemaGrammarFromText(c.text);
+  absl::StatusOr<Grammar> g = [&]() -> absl::StatusOr<Grammar> {
+    switch (c.kind) {
+      case Constraint::Kind::kJsonObject: return JsonObjectGrammar();
+      case Constraint::Kind::kJsonSchema: return JsonSchemaGrammarFromText(c.text);
+      case Constraint::Kind::kGrammar: return GbnfGrammar(c.text);
+      case Constraint::Kind::kRegex: return RegexGrammar(c.text);
+      case Constraint::Kind::kNone: break;
+    }
+    return absl::InternalError("no grammar for this constraint kind");
+  }();
   if (!g.ok()) return g.status();
   absl::StatusOr<std::shared_ptr<const TokenConstraint>> tc =
       TokenConstraint::Create(std::move(*g), VocabTrie::Get(tok));

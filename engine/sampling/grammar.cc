@@ -143,6 +143,113 @@ uint32_t GrammarBuilder::Choice(std::vector<Seq> alts) {
   return r;
 }
 
+namespace {
+
+constexpr uint32_t kMaxCodepoint = 0x10ffff;
+
+int Utf8Length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4; }
+
+void EncodeUtf8(uint32_t cp, uint8_t out[4]) {
+  switch (Utf8Length(cp)) {
+    case 1:
+      out[0] = static_cast<uint8_t>(cp);
+      break;
+    case 2:
+      out[0] = static_cast<uint8_t>(0xc0 | (cp >> 6));
+      out[1] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
+      break;
+    case 3:
+      out[0] = static_cast<uint8_t>(0xe0 | (cp >> 12));
+      out[1] = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3f));
+      out[2] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
+      break;
+    default:
+      out[0] = static_cast<uint8_t>(0xf0 | (cp >> 18));
+      out[1] = static_cast<uint8_t>(0x80 | ((cp >> 12) & 0x3f));
+      out[2] = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3f));
+      out[3] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
+  }
+}
+
+// [lo, hi] (one encoded length) as sequences of byte ranges: split until every code point
+// between the bounds differs from them only in bytes whose whole continuation range is covered.
+void SplitUtf8(uint32_t lo, uint32_t hi, std::vector<std::vector<ByteSet>>* out) {
+  const int n = Utf8Length(lo);
+  for (int i = 1; i < n; ++i) {
+    const uint32_t m = (uint32_t{1} << (6 * i)) - 1;
+    if ((lo & ~m) == (hi & ~m)) continue;
+    if ((lo & m) != 0) {
+      SplitUtf8(lo, lo | m, out);
+      SplitUtf8((lo | m) + 1, hi, out);
+      return;
+    }
+    if ((hi & m) != m) {
+      SplitUtf8(lo, (hi & ~m) - 1, out);
+      SplitUtf8(hi & ~m, hi, out);
+      return;
+    }
+  }
+  uint8_t a[4], b[4];
+  EncodeUtf8(lo, a);
+  EncodeUtf8(hi, b);
+  std::vector<ByteSet> seq;
+  for (int k = 0; k < n; ++k) seq.push_back(ByteSet::Range(a[k], b[k]));
+  out->push_back(std::move(seq));
+}
+
+}  // namespace
+
+absl::StatusOr<uint32_t> GrammarBuilder::Codepoints(CodepointRanges ranges) {
+  // Clamp, drop the surrogates, merge.
+  CodepointRanges clean;
+  for (auto [lo, hi] : ranges) {
+    hi = std::min(hi, kMaxCodepoint);
+    if (lo > hi) continue;
+    if (lo < 0xd800 && hi >= 0xd800) {
+      clean.push_back({lo, 0xd7ff});
+      lo = 0xe000;
+    } else if (lo >= 0xd800 && lo <= 0xdfff) {
+      lo = 0xe000;
+    }
+    if (lo <= hi) clean.push_back({lo, hi});
+  }
+  std::sort(clean.begin(), clean.end());
+  CodepointRanges merged;
+  for (const auto& r : clean) {
+    if (!merged.empty() && r.first <= merged.back().second + 1) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  if (merged.empty()) return absl::InvalidArgumentError("a character class matches nothing");
+  ByteSet ascii;
+  std::vector<std::vector<ByteSet>> seqs;
+  for (auto [lo, hi] : merged) {
+    for (uint32_t bound : {0x7fu, 0x7ffu, 0xffffu, kMaxCodepoint}) {
+      if (lo > hi) break;
+      if (lo > bound) continue;
+      const uint32_t end = std::min(hi, bound);
+      if (bound == 0x7f) {
+        ascii.AddRange(static_cast<uint8_t>(lo), static_cast<uint8_t>(end));
+      } else {
+        SplitUtf8(lo, end, &seqs);
+      }
+      lo = end + 1;
+    }
+  }
+  const uint32_t r = NewRule();
+  if (std::any_of(std::begin(ascii.bits), std::end(ascii.bits), [](uint64_t w) { return w; })) {
+    AddAlt(r, {Bytes(ascii)});
+  }
+  for (const std::vector<ByteSet>& seq : seqs) {
+    Seq alt;
+    for (const ByteSet& b : seq) alt.push_back(Bytes(b));
+    AddAlt(r, std::move(alt));
+  }
+  return r;
+}
+
 absl::StatusOr<Grammar> GrammarBuilder::Build(uint32_t root) && {
   const size_t n = rules_.size();
   if (root >= n) return absl::InvalidArgumentError("grammar root is not a rule");
@@ -267,9 +374,10 @@ VocabTrie::VocabTrie(const Tokenizer& tok) : vocab_(tok.vocab_size()) {
         const uint8_t b =
             static_cast<uint8_t>(pieces_[static_cast<size_t>(ids[i])][r.depth]);
         size_t j = i;
-        while (j < r.hi && static_cast<uint8_t>(pieces_[static_cast<size_t>(ids[j])][r.depth]) == b) {
-          ++j;
-        }
+        auto byte_at = [&](size_t k) {
+          return static_cast<uint8_t>(pieces_[static_cast<size_t>(ids[k])][r.depth]);
+        };
+        while (j < r.hi && byte_at(j) == b) ++j;
         Node child;
         child.byte = b;
         nodes_.push_back(child);

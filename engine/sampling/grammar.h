@@ -116,6 +116,11 @@ class GrammarBuilder {
   uint32_t Repeat(const Seq& body, int min, int max);
   // A rule matching any one of `alts`.
   uint32_t Choice(std::vector<Seq> alts);
+  // A rule matching one character, UTF-8 encoded, whose code point lies in one of `ranges`
+  // (inclusive bounds, in any order; surrogates and code points past U+10FFFF never match).
+  // INVALID_ARGUMENT when that leaves nothing.
+  using CodepointRanges = std::vector<std::pair<uint32_t, uint32_t>>;
+  absl::StatusOr<uint32_t> Codepoints(CodepointRanges ranges);
   // Fails when a rule has no alternative or a rule refers to itself first (left recursion).
   absl::StatusOr<Grammar> Build(uint32_t root) &&;
 

@@ -32,9 +32,11 @@ namespace tandem::engine {
 
 // What the output must match (constraint.h, grammar.h). Sampler::Constrain applies it.
 struct Constraint {
-  enum class Kind { kNone, kJsonObject, kJsonSchema };
+  enum class Kind { kNone, kJsonObject, kJsonSchema, kGrammar, kRegex };
   Kind kind = Kind::kNone;
-  std::string text;  // kJsonSchema: the schema (JSON text)
+  // kJsonSchema: the schema (JSON text); kGrammar: GBNF; kRegex: a regular expression
+  // (engine/sampling/grammar_text.h).
+  std::string text;
   // The prompt's last `generated` tokens are output already generated under the constraint
   // (a request that moved to another worker mid-generation): the matcher starts after them.
   int32_t generated = 0;

@@ -7,11 +7,13 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <regex>
 
 #include "absl/strings/str_cat.h"
 #include "engine/runtime/scheduler.h"
 #include "engine/sampling/constraint.h"
 #include "engine/sampling/grammar.h"
+#include "engine/sampling/grammar_text.h"
 #include "engine/sampling/json_schema.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -265,6 +267,243 @@ TEST(GrammarTest, LeftRecursionIsRefused) {
 
 // --- Tokens: a random tiny model with a byte-fallback vocabulary. ---
 
+// --- Grammars written as text, against std::regex (ECMAScript) and hand references. ---
+
+bool Accepts(const Grammar& g, const std::string& s) {
+  std::vector<Grammar::Stack> state = g.Start(), next;
+  for (unsigned char c : s) {
+    g.Advance(state, c, &next);
+    if (next.empty()) return false;
+    state.swap(next);
+  }
+  return Grammar::Complete(state);
+}
+
+std::string Utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xc0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  } else if (cp < 0x10000) {
+    s += static_cast<char>(0xe0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  } else {
+    s += static_cast<char>(0xf0 | (cp >> 18));
+    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  }
+  return s;
+}
+
+std::string RandomString(std::mt19937& rng, std::string_view alphabet, size_t max_len) {
+  std::string s(rng() % (max_len + 1), ' ');
+  for (char& c : s) c = alphabet[rng() % alphabet.size()];
+  return s;
+}
+
+TEST(GrammarTextTest, CodepointClassesMatchExactlyTheirCodePointsInUtf8) {
+  std::mt19937 rng(5);
+  for (int round = 0; round < 6; ++round) {
+    GrammarBuilder::CodepointRanges ranges;
+    for (int i = 0; i < 4; ++i) {
+      // Bounds drawn from every encoded length, and the surrogates' neighbourhood.
+      const uint32_t scale[] = {0x80, 0x800, 0x10000, 0xe000, 0x110000};
+      const uint32_t lo = rng() % scale[rng() % 5];
+      ranges.push_back({lo, lo + rng() % 0x3000});
+    }
+    GrammarBuilder b;
+    absl::StatusOr<uint32_t> r = b.Codepoints(ranges);
+    ASSERT_TRUE(r.ok()) << r.status();
+    absl::StatusOr<Grammar> g = std::move(b).Build(*r);
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto in = [&](uint32_t cp) {
+      if (cp >= 0xd800 && cp <= 0xdfff) return false;
+      return std::any_of(ranges.begin(), ranges.end(),
+                         [&](auto rg) { return cp >= rg.first && cp <= rg.second; });
+    };
+    std::vector<uint32_t> probe;
+    for (auto [lo, hi] : ranges) {
+      for (uint32_t d : {0u, 1u}) {
+        probe.push_back(lo - d);
+        probe.push_back(lo + d);
+        probe.push_back(hi - d);
+        probe.push_back(hi + d);
+      }
+    }
+    for (int i = 0; i < 4000; ++i) probe.push_back(rng() % 0x110000);
+    for (uint32_t cp : probe) {
+      if (cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) continue;
+      EXPECT_EQ(Accepts(*g, Utf8(cp)), in(cp)) << std::hex << cp;
+    }
+    // Every walk through the grammar is one code point in the ranges, encoded canonically.
+    for (int i = 0; i < 300; ++i) {
+      const std::string s = RandomDocument(*g, rng, 8);
+      ASSERT_FALSE(s.empty());
+      std::u32string cps;
+      size_t pos = 0;
+      const auto b0 = static_cast<uint8_t>(s[0]);
+      const int n = b0 < 0x80 ? 1 : b0 < 0xe0 ? 2 : b0 < 0xf0 ? 3 : 4;
+      ASSERT_EQ(s.size(), static_cast<size_t>(n));
+      uint32_t cp = n == 1 ? b0 : b0 & (0x7f >> n);
+      for (pos = 1; pos < s.size(); ++pos) {
+        cp = (cp << 6) | (static_cast<uint8_t>(s[pos]) & 0x3f);
+      }
+      EXPECT_TRUE(in(cp)) << std::hex << cp;
+      EXPECT_EQ(Utf8(cp), s);
+    }
+  }
+  GrammarBuilder b;
+  EXPECT_FALSE(b.Codepoints({{0xd800, 0xdfff}}).ok());
+}
+
+TEST(GrammarTextTest, RegexMatchesWhatStdRegexMatches) {
+  struct Case {
+    const char* pattern;
+    // The same language for std::regex's ECMAScript (which lacks named groups and \u{...});
+    // null: the pattern itself.
+    const char* reference;
+    const char* alphabet;
+    bool ascii_only;  // every match is ASCII, so std::regex (bytewise) can judge random walks
+  };
+  const Case cases[] = {
+      {"[a-c]+(,[a-c]+)*", nullptr, "abcd,", true},
+      {"(ab|a)(bc|c)?d{1,3}", nullptr, "abcd", true},
+      {"\\d{3}-\\d{2,}", nullptr, "0129-a", true},
+      {"(?:yes|no|maybe)\\.?", nullptr, "yesnomab.", true},
+      {"\\w+\\s[\\d_]", nullptr, "ab_ 9\t-", true},
+      {"^a[\\w.-]c$", nullptr, "abc.-_ ", true},
+      {"x{2}y{0,2}z*?", nullptr, "xyz", true},
+      {"[\\d.+-]+e?", nullptr, "12.+-e", true},
+      {"(?<tag>[A-Z][a-z]*)(, (?P<more>[A-Z][a-z]*))*", "([A-Z][a-z]*)(, ([A-Z][a-z]*))*",
+       "AbcZ, ", true},
+      {"\\u0041\\x42\\u{43}[\\t\\n]", "ABC[\\t\\n]", "ABC\t\nD", true},
+      {"[^abc]x?", nullptr, "abcxyz,\n", false},
+      {"a.c|\\D\\W", nullptr, "ab\nc-1 ", false},
+  };
+  std::mt19937 rng(9);
+  for (const Case& c : cases) {
+    absl::StatusOr<Grammar> g = RegexGrammar(c.pattern);
+    ASSERT_TRUE(g.ok()) << c.pattern << ": " << g.status();
+    const std::regex re(c.reference ? c.reference : c.pattern);
+    int matched = 0;
+    for (int i = 0; i < 3000; ++i) {
+      const std::string s = RandomString(rng, c.alphabet, 7);
+      const bool want = std::regex_match(s, re);
+      EXPECT_EQ(Accepts(*g, s), want) << c.pattern << " on '" << s << "'";
+      matched += want;
+    }
+    EXPECT_GT(matched, 0) << c.pattern;  // the alphabet reaches the language
+    if (!c.ascii_only) continue;
+    for (int i = 0; i < 200; ++i) {
+      const std::string s = RandomDocument(*g, rng, 64);
+      if (s.empty()) continue;  // ran past the length bound (unbounded repeats)
+      EXPECT_TRUE(std::regex_match(s, re)) << c.pattern << " made '" << s << "'";
+    }
+  }
+}
+
+TEST(GrammarTextTest, GbnfAcceptsWhatItsRulesSay) {
+  // A list, against the equivalent regular expression.
+  absl::StatusOr<Grammar> list = GbnfGrammar(R"(
+    # a comma-separated list
+    root ::= item ("," ws item)*   # items
+    item ::= [a-c]+ | "<" [^<>]{1,2} ">"
+    ws ::= " "?
+  )");
+  ASSERT_TRUE(list.ok()) << list.status();
+  const std::regex re("([a-c]+|<[^<>]{1,2}>)(, ?([a-c]+|<[^<>]{1,2}>))*");
+  std::mt19937 rng(3);
+  int matched = 0;
+  for (int i = 0; i < 4000; ++i) {
+    const std::string s = RandomString(rng, "abcd,< >", 9);
+    const bool want = std::regex_match(s, re);
+    EXPECT_EQ(Accepts(*list, s), want) << s;
+    matched += want;
+  }
+  EXPECT_GT(matched, 100);
+  // Recursion: balanced brackets, against a counter.
+  absl::StatusOr<Grammar> brackets = GbnfGrammar(
+      "root ::= pair*\n"
+      "pair ::= \"(\" root \")\" | \"[\" root \"]\"\n");
+  ASSERT_TRUE(brackets.ok()) << brackets.status();
+  auto balanced = [](const std::string& s) {
+    std::string st;
+    for (char c : s) {
+      if (c == '(' || c == '[') {
+        st.push_back(c);
+      } else if (st.empty() || st.back() != (c == ')' ? '(' : '[')) {
+        return false;
+      } else {
+        st.pop_back();
+      }
+    }
+    return st.empty();
+  };
+  matched = 0;
+  for (int i = 0; i < 4000; ++i) {
+    const std::string s = RandomString(rng, "()[]", 8);
+    EXPECT_EQ(Accepts(*brackets, s), balanced(s)) << s;
+    matched += balanced(s);
+  }
+  EXPECT_GT(matched, 50);
+  // Escapes, non-ASCII classes, '.', counted repetition.
+  absl::StatusOr<Grammar> esc = GbnfGrammar(
+      "root ::= \"\\u00e9\\x41\\\"\" [α-ω]{2} . \"\\n\"{,2} x\nx ::= [\\]\\-]+");
+  ASSERT_TRUE(esc.ok()) << esc.status();
+  EXPECT_TRUE(Accepts(*esc, "éA\"αβ🙂\n\n]-"));
+  EXPECT_TRUE(Accepts(*esc, "éA\"ωωz-"));
+  EXPECT_FALSE(Accepts(*esc, "éA\"αz-"));        // one Greek letter short
+  EXPECT_FALSE(Accepts(*esc, "éA\"αβz\n\n\n-"));  // three newlines
+  EXPECT_FALSE(Accepts(*esc, "éA\"αβz"));         // x needs one character
+}
+
+TEST(GrammarTextTest, BadGrammarsAndPatternsAreRefusedWithTheReason) {
+  const std::pair<const char*, const char*> grammars[] = {
+      {"root ::= item", "rule item is not defined"},
+      {"start ::= \"a\"", "no root rule"},
+      {"root ::= \"a\"\nroot ::= \"b\"", "defined twice"},
+      {"root ::= root \"a\" | \"b\"", "left-recursive"},
+      {"root ::= \"abc", "unterminated literal"},
+      {"root ::= [b-a]", "runs backwards"},
+      {"root ::= \"a\"{3,2}", "below its minimum"},
+      {"root ::= \"a\"{1001}", "over 1000"},
+      {"root ::= (\"a\"", "expected ')'"},
+      {"root = \"a\"", "expected '::='"},
+      {"", "no rules"},
+  };
+  for (const auto& [text, why] : grammars) {
+    absl::StatusOr<Grammar> g = GbnfGrammar(text);
+    ASSERT_FALSE(g.ok()) << text;
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(std::string(g.status().message()), HasSubstr(why)) << text;
+  }
+  const std::pair<const char*, const char*> patterns[] = {
+      {"(?=a)b", "lookaround"},   {"(a)\\1", "backreferences"},   {"\\bx", "word boundaries"},
+      {"a{3,2}", "below its minimum"}, {"*a", "nothing to repeat"}, {"a++", "possessive"},
+      {"(ab", "expected ')'"},    {"ab)", "unbalanced"},          {"[z-a]", "runs backwards"},
+      {"a^b", "anchors"},         {"[abc", "unterminated"},       {"\\q", "unsupported escape"},
+  };
+  for (const auto& [pattern, why] : patterns) {
+    absl::StatusOr<Grammar> g = RegexGrammar(pattern);
+    ASSERT_FALSE(g.ok()) << pattern;
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << pattern;
+    EXPECT_THAT(std::string(g.status().message()), HasSubstr(why)) << pattern;
+  }
+  const std::string huge(kMaxSchemaBytes + 1, 'a');
+  EXPECT_THAT(std::string(RegexGrammar(huge).status().message()), HasSubstr("at most"));
+  // What counted repetitions cost is bounded: in rules, and in copies of their bodies.
+  std::string many_rules, many_copies;
+  for (int i = 0; i < 25; ++i) many_rules += "a{0,1000}";
+  for (int i = 0; i < 1001; ++i) many_copies += "(ab){1000}";
+  EXPECT_THAT(std::string(RegexGrammar(many_rules).status().message()), HasSubstr("too large"));
+  EXPECT_THAT(std::string(RegexGrammar(many_copies).status().message()), HasSubstr("too large"));
+  EXPECT_TRUE(RegexGrammar("((ab){1000}){1000}").ok());  // nesting refers, never copies
+}
+
 std::shared_ptr<const Model> TinyModel() {
   static std::shared_ptr<const Model> model = [] {
     const std::string path = (std::filesystem::temp_directory_path() /
@@ -452,6 +691,43 @@ TEST(ConstrainedGenerationTest, AMovedRequestContinuesUnderItsConstraint) {
   const absl::Status st = s.Submit(std::move(r));
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("breaks the constraint"));
+}
+
+TEST(ConstrainedGenerationTest, RegexAndGbnfOutputsMatch) {
+  auto e = MakeEngine();
+  struct Case {
+    Constraint::Kind kind;
+    const char* text;
+    const char* reference;  // std::regex for the same language
+  };
+  const Case cases[] = {
+      {Constraint::Kind::kRegex, "(north|south|east|west) [1-9]\\d{0,2} (steps|paces)\\.",
+       "(north|south|east|west) [1-9][0-9]{0,2} (steps|paces)\\."},
+      {Constraint::Kind::kGrammar,
+       "root ::= action (\", \" action){0,3}\n"
+       "action ::= (\"attack\" | \"defend\" | \"flee\") \"(\" [a-z]{1,8} \")\"\n",
+       "(attack|defend|flee)\\([a-z]{1,8}\\)(, (attack|defend|flee)\\([a-z]{1,8}\\)){0,3}"},
+  };
+  for (const Case& c : cases) {
+    std::vector<SamplingParams> params;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < 12; ++i) {
+      SamplingParams p;
+      p.temperature = i == 0 ? 0.0f : 1.0f;
+      p.seed = 300 + static_cast<uint64_t>(i);
+      p.max_tokens = 200;
+      p.constraint.kind = c.kind;
+      p.constraint.text = c.text;
+      params.push_back(p);
+      prompts.push_back(testing::RandomTokens(5, 250, 40 + static_cast<uint32_t>(i)));
+    }
+    const std::regex re(c.reference);
+    for (const Output& o : Generate(e.get(), params, prompts)) {
+      ASSERT_TRUE(o.status.ok()) << o.status;
+      EXPECT_EQ(o.reason, FinishReason::kStop) << o.text;
+      EXPECT_TRUE(std::regex_match(o.text, re)) << o.text;
+    }
+  }
 }
 
 }  // namespace
