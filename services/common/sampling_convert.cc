@@ -29,6 +29,12 @@ engine::SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
   } else if (f.format_case() == v1::ResponseFormat::kJsonSchema) {
     s.constraint.kind = engine::Constraint::Kind::kJsonSchema;
     s.constraint.text = f.json_schema();
+  } else if (f.format_case() == v1::ResponseFormat::kGrammar) {
+    s.constraint.kind = engine::Constraint::Kind::kGrammar;
+    s.constraint.text = f.grammar();
+  } else if (f.format_case() == v1::ResponseFormat::kRegex) {
+    s.constraint.kind = engine::Constraint::Kind::kRegex;
+    s.constraint.text = f.regex();
   }
   if (s.constraint.kind != engine::Constraint::Kind::kNone) {
     s.constraint.generated = f.generated();
@@ -61,6 +67,12 @@ v1::SamplingParams SamplingToProto(const engine::SamplingParams& s) {
       break;
     case engine::Constraint::Kind::kJsonSchema:
       p.mutable_response_format()->set_json_schema(s.constraint.text);
+      break;
+    case engine::Constraint::Kind::kGrammar:
+      p.mutable_response_format()->set_grammar(s.constraint.text);
+      break;
+    case engine::Constraint::Kind::kRegex:
+      p.mutable_response_format()->set_regex(s.constraint.text);
       break;
   }
   if (s.constraint.kind != engine::Constraint::Kind::kNone) {

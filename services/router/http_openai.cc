@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <span>
@@ -103,30 +104,11 @@ class Fields {
   const json& j_;
 };
 
-// The request body as a JSON object, nested at most kMaxJsonNesting deep (checked before
-// parsing, so a hostile body costs one linear scan).
+// The request body as a JSON object, nested at most kMaxJsonNesting deep.
 std::optional<HttpError> ParseBody(std::string_view body, json* out) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : body) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxJsonNesting) {
-        return Bad("", absl::StrCat("the request body nests deeper than ", kMaxJsonNesting,
-                                    " levels"));
-      }
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
+  if (NestingOf(body) > kMaxJsonNesting) {
+    return Bad("", absl::StrCat("the request body nests deeper than ", kMaxJsonNesting,
+                                " levels"));
   }
   *out = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (out->is_discarded()) return Bad("", "the request body is not valid JSON");
@@ -472,6 +454,52 @@ std::optional<HttpError> ParseResponseFormat(Fields& f, v1::SamplingParams* s) {
   return std::nullopt;
 }
 
+// vLLM's extension structured_outputs: exactly one of {"regex": pattern}, {"grammar": GBNF}
+// or {"choice": [strings]} (the output is one of them; compiled as a regex of the escaped
+// strings). Not with a response_format other than text. Checked where it is compiled.
+std::optional<HttpError> ParseStructuredOutputs(Fields& f, v1::SamplingParams* s) {
+  const json* v = f.Get("structured_outputs");
+  if (v == nullptr) return std::nullopt;
+  const char* kWhat =
+      "structured_outputs must be an object with one of \"regex\", \"grammar\" or \"choice\"";
+  if (!v->is_object() || v->size() != 1) return Bad("structured_outputs", kWhat);
+  if (s->has_response_format()) {
+    return Bad("structured_outputs",
+               "structured_outputs cannot be combined with a response_format other than text");
+  }
+  const auto& [key, val] = *v->items().begin();
+  if (key == "regex" || key == "grammar") {
+    if (!val.is_string()) {
+      return Bad(absl::StrCat("structured_outputs.", key),
+                 absl::StrCat("structured_outputs.", key, " must be a string"));
+    }
+    if (key == "regex") {
+      s->mutable_response_format()->set_regex(val.get<std::string>());
+    } else {
+      s->mutable_response_format()->set_grammar(val.get<std::string>());
+    }
+    return std::nullopt;
+  }
+  if (key != "choice") return Bad("structured_outputs", kWhat);
+  if (!val.is_array() || val.empty() ||
+      !std::all_of(val.begin(), val.end(), [](const json& c) { return c.is_string(); })) {
+    return Bad("structured_outputs.choice",
+               "structured_outputs.choice must be a non-empty array of strings");
+  }
+  std::string regex;
+  for (const json& c : val) {
+    if (!regex.empty()) regex += '|';
+    regex += '(';
+    for (char ch : c.get<std::string>()) {
+      if (std::strchr("\\^$.|?*+()[]{}", ch) != nullptr && ch != '\0') regex += '\\';
+      regex += ch;
+    }
+    regex += ')';
+  }
+  s->mutable_response_format()->set_regex(regex);
+  return std::nullopt;
+}
+
 std::optional<HttpError> ParseSampling(Fields& f, ApiKind kind, v1::SamplingParams* s,
                                        std::optional<int64_t>* max_tokens) {
   constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
@@ -599,6 +627,12 @@ std::string ParamFromMessage(std::string_view msg, ApiKind kind) {
     }
     std::string p(rest.substr(0, n));
     if (p == "stop_strings") p = "stop";
+    // A grammar or regex came from structured_outputs (json formats from response_format).
+    const std::string_view format = rest.substr(std::min(rest.size(), n + 1));
+    if (p == "response_format" &&
+        (format.substr(0, 7) == "grammar" || format.substr(0, 5) == "regex")) {
+      p = "structured_outputs";
+    }
     return p;
   }
   if (msg.substr(0, 6) == "prompt") return kind == ApiKind::kChat ? "messages" : "prompt";
@@ -735,6 +769,7 @@ std::optional<HttpError> ParseOpenAiRequest(ApiKind kind, std::string_view body,
   if (auto e = ParseSampling(f, kind, g.mutable_sampling(), &max_tokens)) return e;
   if (out->logprobs >= 0) g.mutable_sampling()->set_logprobs(out->logprobs);
   if (auto e = ParseResponseFormat(f, g.mutable_sampling())) return e;
+  if (auto e = ParseStructuredOutputs(f, g.mutable_sampling())) return e;
   // Extension field: the request's class at the router's admission queue.
   std::optional<std::string> priority;
   f.String("priority", &priority);
@@ -809,6 +844,36 @@ void Accumulated::Add(const v1::GenerateResponse& m) {
 
 const char* OpenAiFinishReason(v1::FinishReason r) {
   return r == v1::FINISH_REASON_LENGTH ? "length" : "stop";
+}
+
+int NestingOf(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+std::optional<HttpError> ParseChatTools(const json& body, OpenAiRequest* r,
+                                        std::vector<std::string>* specs, v1::SamplingParams* s) {
+  Fields f(body);
+  if (auto e = ParseTools(f, r, specs, s)) return e;
+  return f.error;
 }
 
 ToolCallOutput ParseToolCalls(const OpenAiRequest& r, const std::string& text) {

@@ -101,6 +101,17 @@ std::optional<HttpError> ParseOpenAiRequest(ApiKind kind, std::string_view body,
                                             const RouterModel& model, const ChatTemplate& chat,
                                             OpenAiRequest* out);
 
+// How deep JSON text nests objects and arrays (a linear scan, run before parsing text that
+// might be hostile).
+int NestingOf(std::string_view text);
+
+// A chat request's tools and tool_choice in OpenAI's JSON shape ({"tools": [...],
+// "tool_choice": ...}; what the gRPC Chat rpc's fields become), taken as ParseOpenAiRequest
+// takes them: sets r's tool names and choice, *specs to the tools as the chat template lists
+// them, and for "required" or a named tool the output constraint in *s.
+std::optional<HttpError> ParseChatTools(const nlohmann::ordered_json& body, OpenAiRequest* r,
+                                        std::vector<std::string>* specs, v1::SamplingParams* s);
+
 // What a finished Generate stream added up to.
 struct Accumulated {
   std::string text;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "common/util/status_util.h"
 #include "engine/kv/block_pool.h"
+#include "engine/sampling/json_schema.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "services/common/grpc_await.h"
 #include "services/common/grpc_status.h"
@@ -128,6 +129,20 @@ class InferenceService::GenerateReactor final
     bool await_ready() const noexcept { return false; }
     void await_suspend(std::coroutine_handle<> h) {
       r_->write_waiter_ = h;
+      if (r_->tools_.tool_choice != ToolChoice::kNone) {
+        // A Chat call with tools: the finished message carries the calls of the whole text.
+        r_->text_ += msg_->text();
+        if (msg_->finished()) {
+          r_->last_ = *msg_;
+          for (const ToolCall& c : ParseToolCalls(r_->tools_, r_->text_).calls) {
+            v1::ToolCall* t = r_->last_.add_tool_calls();
+            t->set_id(c.id);
+            t->set_name(c.name);
+            t->set_arguments(c.arguments);
+          }
+          msg_ = &r_->last_;
+        }
+      }
       r_->StartWrite(msg_);  // nothing here touches the reactor after this
     }
     bool await_resume() const noexcept { return r_->write_ok_; }
@@ -147,14 +162,18 @@ class InferenceService::GenerateReactor final
     (*active_)--;
     delete this;
   }
-  // A Chat call's request, rendered (Generate's is gRPC's own).
+  // A Chat call's request, rendered (Generate's is gRPC's own), and its tools.
   v1::GenerateRequest& owned_request() { return owned_; }
+  OpenAiRequest& tools() { return tools_; }
 
  private:
   std::atomic<int>* active_;
   std::coroutine_handle<> write_waiter_;
   bool write_ok_ = false;
   v1::GenerateRequest owned_;
+  OpenAiRequest tools_;
+  std::string text_;          // with tools: the text written so far
+  v1::GenerateResponse last_;  // with tools: the finished message, with the calls
 };
 
 // The text of a request after a migration, produced by the router exactly as the decode
@@ -436,7 +455,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Chat(
     grpc::CallbackServerContext* ctx, const v1::ChatRequest* req) {
   active_++;  // until the reactor's OnDone
   auto* r = new GenerateReactor(&active_);
-  absl::StatusOr<v1::GenerateRequest> g = RenderChat(*req);
+  absl::StatusOr<v1::GenerateRequest> g = RenderChat(*req, &r->tools());
   if (!g.ok()) {
     failed_++;
     r->Finish(services::ToGrpcStatus(g.status()));
@@ -447,7 +466,49 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Chat(
   return r;
 }
 
-absl::StatusOr<v1::GenerateRequest> InferenceService::RenderChat(const v1::ChatRequest& req) const {
+namespace {
+
+// A Chat request's tools and tool_choice as the chat API's JSON takes them.
+absl::StatusOr<nlohmann::ordered_json> ToolsJson(const v1::ChatRequest& req) {
+  using json = nlohmann::ordered_json;
+  json tools = json::array();
+  for (int i = 0; i < req.tools_size(); ++i) {
+    const v1::Tool& t = req.tools(i);
+    json fn = {{"name", t.name()}};
+    if (!t.description().empty()) fn["description"] = t.description();
+    if (!t.parameters().empty()) {
+      const std::string p = absl::StrCat("tools[", i, "].parameters");
+      if (t.parameters().size() > engine::kMaxSchemaBytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(p, " is ", t.parameters().size(), " bytes; at most ",
+                         engine::kMaxSchemaBytes));
+      }
+      if (NestingOf(t.parameters()) > kMaxJsonNesting) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(p, " nests deeper than ", kMaxJsonNesting, " levels"));
+      }
+      json params = json::parse(t.parameters(), nullptr, /*allow_exceptions=*/false);
+      if (params.is_discarded()) {
+        return absl::InvalidArgumentError(absl::StrCat(p, " is not valid JSON"));
+      }
+      fn["parameters"] = std::move(params);
+    }
+    tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
+  }
+  json body = {{"tools", std::move(tools)}};
+  const std::string& c = req.tool_choice();
+  if (c == "auto" || c == "none" || c == "required") {
+    body["tool_choice"] = c;
+  } else if (!c.empty()) {
+    body["tool_choice"] = {{"type", "function"}, {"function", {{"name", c}}}};
+  }
+  return body;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::GenerateRequest> InferenceService::RenderChat(const v1::ChatRequest& req,
+                                                                 OpenAiRequest* tools) const {
   if (model() == nullptr || models_->chat() == nullptr) return ModelHolder::NotYetKnown();
   if (req.messages().empty()) return absl::InvalidArgumentError("messages must not be empty");
   if (static_cast<size_t>(req.messages_size()) > kMaxChatMessages) {
@@ -455,16 +516,31 @@ absl::StatusOr<v1::GenerateRequest> InferenceService::RenderChat(const v1::ChatR
         "messages holds ", req.messages_size(), " messages; at most ", kMaxChatMessages));
   }
   std::vector<ChatMessage> messages;
-  for (const v1::ChatMessage& m : req.messages()) messages.push_back({m.role(), m.content()});
-  absl::StatusOr<std::string> text =
-      models_->chat()->Render(messages, !req.has_add_generation_prompt() ||
-                                            req.add_generation_prompt());
-  if (!text.ok()) return text.status();
+  for (const v1::ChatMessage& m : req.messages()) {
+    ChatMessage c{m.role(), m.content(), {}, m.tool_call_id()};
+    for (const v1::ToolCall& t : m.tool_calls()) {
+      c.tool_calls.push_back({t.id(), t.name(), t.arguments()});
+    }
+    messages.push_back(std::move(c));
+  }
   v1::GenerateRequest g;
+  *g.mutable_sampling() = req.sampling();
+  std::vector<std::string> specs;
+  if (req.tools_size() > 0 || !req.tool_choice().empty()) {
+    absl::StatusOr<nlohmann::ordered_json> body = ToolsJson(req);
+    if (!body.ok()) return body.status();
+    tools->kind = ApiKind::kChat;
+    if (std::optional<HttpError> e =
+            ParseChatTools(*body, tools, &specs, g.mutable_sampling())) {
+      return absl::InvalidArgumentError(e->message);
+    }
+  }
+  absl::StatusOr<std::string> text = models_->chat()->Render(
+      messages, !req.has_add_generation_prompt() || req.add_generation_prompt(), specs);
+  if (!text.ok()) return text.status();
   g.set_request_id(req.request_id());
   g.set_model(req.model());
   g.set_text(*text);
-  *g.mutable_sampling() = req.sampling();
   for (const std::string& s : models_->chat()->extra_stop_strings()) {
     g.mutable_sampling()->add_stop(s);
   }

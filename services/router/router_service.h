@@ -58,6 +58,7 @@
 #include "services/router/admission.h"
 #include "services/router/auth.h"
 #include "services/router/autoscale.h"
+#include "services/router/http_openai.h"
 #include "services/router/router_metrics.h"
 #include "common/trace/trace.h"
 #include "services/router/prefix_index.h"
@@ -179,7 +180,9 @@ class InferenceService final
   class GenerateReactor;  // the client's stream
   // A Chat request as the GenerateRequest it stands for; INVALID_ARGUMENT naming the message
   // the template refuses, UNAVAILABLE before the model is known.
-  absl::StatusOr<v1::GenerateRequest> RenderChat(const v1::ChatRequest& req) const;
+  // *tools: the request's tools and tool_choice, which the answer's calls are parsed by.
+  absl::StatusOr<v1::GenerateRequest> RenderChat(const v1::ChatRequest& req,
+                                                 OpenAiRequest* tools) const;
   Task<void> Drive(GenerateReactor* r, grpc::CallbackServerContext* ctx,
                    const v1::GenerateRequest* req);
   Task<absl::Status> Serve(GenerateReactor* r, grpc::CallbackServerContext* ctx,

@@ -16,8 +16,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
@@ -175,12 +177,17 @@ TEST_F(OpenAiClientTest, OfficialClientMatchesTandemClient) {
   // The gRPC Chat rpc renders the same prompt.
   auto stub = tandem::v1::Inference::NewStub(
       grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  tandem::v1::GenerateResponse last;  // the last message of the last call
   auto chat = [&](const tandem::v1::ChatRequest& req, std::string* text) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     auto reader = stub->Chat(&ctx, req);
     tandem::v1::GenerateResponse m;
-    while (reader->Read(&m)) *text += m.text();
+    while (reader->Read(&m)) {
+      *text += m.text();
+      EXPECT_TRUE(m.finished() || m.tool_calls().empty());  // calls come with the last message
+      last = m;
+    }
     return reader->Finish();
   };
   tandem::v1::ChatRequest creq;
@@ -200,6 +207,69 @@ TEST_F(OpenAiClientTest, OfficialClientMatchesTandemClient) {
   EXPECT_EQ(bst.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(bst.error_message().find("messages[0].role"), std::string::npos)
       << bst.error_message();
+  // A regex and a GBNF grammar in gRPC's response format: the whole answer matches.
+  for (const auto& [regex, grammar, reference] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"(north|south|east|west), [1-9][0-9]? steps", "",
+            "(north|south|east|west), [1-9][0-9]? steps"},
+           {"", "root ::= \"Hello, \" name \"!\"\nname ::= [A-Z] [a-z]{1,8}",
+            "Hello, [A-Z][a-z]{1,8}!"}}) {
+    tandem::v1::ChatRequest f = creq;
+    if (!regex.empty()) f.mutable_sampling()->mutable_response_format()->set_regex(regex);
+    if (!grammar.empty()) f.mutable_sampling()->mutable_response_format()->set_grammar(grammar);
+    f.mutable_sampling()->set_max_tokens(40);
+    std::string text;
+    const grpc::Status fst = chat(f, &text);
+    ASSERT_TRUE(fst.ok()) << fst.error_message();
+    EXPECT_TRUE(std::regex_match(text, std::regex(reference))) << text;
+    EXPECT_EQ(last.finish_reason(), tandem::v1::FINISH_REASON_STOP) << text;
+  }
+  // Tools over gRPC: a required call comes back as tool_calls on the finished message, with
+  // arguments its schema allows; its result in a tool turn gets an answer.
+  tandem::v1::ChatRequest treq = creq;
+  tandem::v1::Tool* tool = treq.add_tools();
+  tool->set_name("look_around");
+  tool->set_description("What the player sees");
+  tool->set_parameters(R"({"type": "object", "additionalProperties": false,
+      "required": ["direction"],
+      "properties": {"direction": {"enum": ["north", "south", "east", "west"]}}})");
+  treq.set_tool_choice("required");
+  treq.mutable_sampling()->set_max_tokens(60);
+  std::string call_text;
+  const grpc::Status tst = chat(treq, &call_text);
+  ASSERT_TRUE(tst.ok()) << tst.error_message();
+  ASSERT_EQ(last.tool_calls_size(), 1) << call_text;
+  EXPECT_EQ(last.tool_calls(0).name(), "look_around");
+  EXPECT_EQ(last.tool_calls(0).id().rfind("call_", 0), 0u);
+  const json grpc_args = json::parse(last.tool_calls(0).arguments(), nullptr, false);
+  ASSERT_TRUE(grpc_args.is_object()) << call_text;
+  EXPECT_TRUE(grpc_args["direction"].is_string() && grpc_args.size() == 1u) << call_text;
+  tandem::v1::ChatRequest answer = treq;
+  answer.set_tool_choice("none");
+  tandem::v1::ChatMessage* asked = answer.add_messages();
+  asked->set_role("assistant");
+  *asked->add_tool_calls() = last.tool_calls(0);
+  tandem::v1::ChatMessage* result = answer.add_messages();
+  result->set_role("tool");
+  result->set_tool_call_id(last.tool_calls(0).id());
+  result->set_content("A dragon sleeps on a pile of gold.");
+  std::string answer_text;
+  const grpc::Status ast = chat(answer, &answer_text);
+  ASSERT_TRUE(ast.ok()) << ast.error_message();
+  EXPECT_FALSE(answer_text.empty());
+  EXPECT_EQ(last.tool_calls_size(), 0);
+  for (const auto& [choice, params, needle] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"look_up", "{}", "not one of the tools"},
+           {"required", "{\"type\": ", "tools[0].parameters is not valid JSON"},
+           {"required", std::string(100, '[') + std::string(100, ']'), "nests deeper"}}) {
+    tandem::v1::ChatRequest b = treq;
+    b.set_tool_choice(choice);
+    b.mutable_tools(0)->set_parameters(params);
+    const grpc::Status st = chat(b, &ignored);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << choice << params;
+    EXPECT_NE(st.error_message().find(needle), std::string::npos) << st.error_message();
+  }
   EXPECT_GT(j["chat_stream_usage"]["prompt_tokens"].get<int>(), 0);
 
   // Log-probabilities of greedy tokens: each token is its own best alternative, in order.

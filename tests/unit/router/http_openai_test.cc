@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "engine/sampling/grammar_text.h"
 #include "gtest/gtest.h"
 #include "services/router/http_connection.h"
 #include "tests/fakes/tiny_model.h"
@@ -218,6 +219,19 @@ TEST_F(HttpOpenAiTest, BadRequestsNameTheParam) {
        "response_format.json_schema.schema", "required"},
       {ApiKind::kCompletion, R"({"prompt": "x", "response_format": "json"})", "response_format",
        "object"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "structured_outputs": {"json": {}}})",
+       "structured_outputs", "one of"},
+      {ApiKind::kCompletion,
+       R"({"prompt": "x", "structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}})",
+       "structured_outputs", "one of"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "structured_outputs": {"regex": 5}})",
+       "structured_outputs.regex", "string"},
+      {ApiKind::kCompletion, R"({"prompt": "x", "structured_outputs": {"choice": []}})",
+       "structured_outputs.choice", "non-empty"},
+      {ApiKind::kCompletion,
+       R"({"prompt": "x", "response_format": {"type": "json_object"},
+           "structured_outputs": {"regex": "a"}})",
+       "structured_outputs", "cannot be combined"},
   };
   for (const Case& c : cases) {
     const HttpError e = ParseError(c.kind, c.body);
@@ -529,6 +543,24 @@ TEST_F(HttpOpenAiTest, ResponseFormatsReachTheSamplingParams) {
                          "response_format": {"type": "text"}})",
                      &r));
   EXPECT_FALSE(r.generate.sampling().has_response_format());
+  // vLLM's structured_outputs: a regex, a GBNF grammar, or a choice (a regex of the strings,
+  // escaped).
+  ASSERT_TRUE(Parses(ApiKind::kCompletion,
+                     R"({"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}})", &r));
+  EXPECT_EQ(r.generate.sampling().response_format().regex(), "[0-9]+");
+  ASSERT_TRUE(Parses(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "x"}],
+                         "structured_outputs": {"grammar": "root ::= \"hi\""}})",
+                     &r));
+  EXPECT_EQ(r.generate.sampling().response_format().grammar(), "root ::= \"hi\"");
+  ASSERT_TRUE(Parses(ApiKind::kCompletion,
+                     R"j({"prompt": "x",
+                         "structured_outputs": {"choice": ["yes (1)", "a.b|c"]}})j",
+                     &r));
+  const std::string choice = r.generate.sampling().response_format().regex();
+  EXPECT_EQ(choice, R"j((yes \(1\))|(a\.b\|c))j");
+  absl::StatusOr<engine::Grammar> g = engine::RegexGrammar(choice);
+  ASSERT_TRUE(g.ok()) << g.status();
 }
 
 constexpr char kWeatherTools[] = R"("tools": [
