@@ -30,7 +30,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -49,6 +51,7 @@
 #include "engine/runtime/draft_proposer.h"
 #include "engine/runtime/scheduler.h"
 #include "engine/runtime/step_cost.h"
+#include "engine/sampling/constraint.h"
 #include "nlohmann/json.hpp"
 #include "tandem/kernels/matmul.h"
 
@@ -82,6 +85,10 @@ struct Options {
   // Made once (a draft model loads at start), shared by every batch run in turn.
   std::shared_ptr<engine::Proposer> proposer;
   std::string kv_type = "f16";
+  // Batch mode: every request's output constrained by this JSON Schema (empty: none), and
+  // its sampling temperature (0: greedy; otherwise request i samples with seed + i).
+  std::string json_schema;
+  float batch_temperature = 0;
   uint64_t seed = 1;
   bool pack_weights = true;
   engine::Device device = engine::Device::kCpu;  // --device cuda: the CUDA engine (gpu-check)
@@ -205,9 +212,14 @@ absl::StatusOr<BatchResult> BatchOnce(engine::Engine& eng, const Options& o, int
     engine::GenerationRequest req;
     req.id = absl::StrCat("s", i);
     req.prompt = RandomTokens(rng, o.seq_prompt, vocab);
-    req.sampling.temperature = 0;
+    req.sampling.temperature = o.batch_temperature;
+    req.sampling.seed = o.seed + static_cast<uint64_t>(i);
     req.sampling.max_tokens = n_gen;
     req.sampling.ignore_eos = true;
+    if (!o.json_schema.empty()) {
+      req.sampling.constraint.kind = engine::Constraint::Kind::kJsonSchema;
+      req.sampling.constraint.text = o.json_schema;
+    }
     bool first = true;
     req.on_event = [&, first](const engine::TokenEvent& ev) mutable {
       if (ev.token >= 0) {
@@ -443,6 +455,14 @@ absl::Status Run(const Options& o) {
                     {"generated", last.generated},
                     {"tokens_per_s", Series(tps)},
                     {"decode_phase_tokens_per_s", Series(dtps)}};
+      if (!o.json_schema.empty()) {
+        engine::Constraint c;
+        c.kind = engine::Constraint::Kind::kJsonSchema;
+        c.text = o.json_schema;
+        TANDEM_ASSIGN_OR_RETURN(auto tc, engine::CompileConstraint(c, model->tokenizer()));
+        j["batch"]["constraint"] = {{"masks_computed", tc->masks_computed()},
+                                    {"masks_cached", tc->masks_cached()}};
+      }
     } else if (mode == "verify") {
       const int32_t prefix = std::max(o.decode_prompt, 1);
       const int32_t batch = o.verify_batch;
@@ -565,7 +585,14 @@ int main(int argc, char** argv) {
   app.add_option("--batch-tokens", o.batch_tokens, "Engine max_batch_tokens (prefill chunk)");
   app.add_option("--kv-type,--kv-dtype", o.kv_type,
                  "KV cache type: f16 (llama.cpp's default), f32, int8 or fp8");
-  app.add_option("--seed", o.seed, "Seed of the random prompts");
+  app.add_option("--seed", o.seed, "Seed of the random prompts (and of sampled batch runs)");
+  app.add_option("--batch-temperature", o.batch_temperature,
+                 "Batch mode: sampling temperature (default 0, greedy)")
+      ->check(CLI::Range(0.0f, 2.0f));
+  std::string schema_file;
+  app.add_option("--json-schema", schema_file,
+                 "Batch mode: constrain every output by the JSON Schema in this file")
+      ->check(CLI::ExistingFile);
   bool no_pack = false;
   app.add_flag("--no-pack", no_pack, "Use the GGUF rows as they are (no packed weights)");
   std::string device = "cpu";
@@ -584,6 +611,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.speculative = *parsed;
+  if (!schema_file.empty()) {
+    std::ifstream in(schema_file);
+    o.json_schema.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
   o.speculative.max_batch = spec_max_batch;
   o.speculative.adaptive = !spec_fixed;
   if (o.verify_max < 0 || o.verify_max > 16) {
