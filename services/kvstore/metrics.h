@@ -1,5 +1,5 @@
 // The KV store's Prometheus series, on the shared registry of services/common/metrics.h, under
-// the names DESIGN.md fixes (prefix `tandem:`, labels model_name and role): the gauge
+// the names DESIGN.md fixes (prefix `tandem_`, labels model_name and role): the gauge
 // kvstore_tier_bytes{tier} and the counter kv_integrity_failures_total, plus per tier
 // kvstore_tier_capacity_bytes, kvstore_tier_blocks, kvstore_tier_hits_total and
 // kvstore_tier_misses_total. A disabled tier has no series.

@@ -114,7 +114,7 @@ class RouterMetricsTest : public RouterFixture {
     EXPECT_EQ(r.status, 200);
     return r.body;
   }
-  // `tandem:NAME{model_name="...",role="router"<extra>}`.
+  // `tandem_NAME{model_name="...",role="router"<extra>}`.
   std::string Series(const std::string& name, const std::string& extra = "",
                      const std::string& role = "router") const {
     return absl::StrCat("tandem_", name, "{model_name=\"", router_->model().id(), "\",role=\"",
