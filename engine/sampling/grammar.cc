@@ -6,6 +6,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "engine/tokenizer/unicode.h"
 
 namespace tandem::engine {
 namespace {
@@ -149,28 +150,6 @@ constexpr uint32_t kMaxCodepoint = 0x10ffff;
 
 int Utf8Length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4; }
 
-void EncodeUtf8(uint32_t cp, uint8_t out[4]) {
-  switch (Utf8Length(cp)) {
-    case 1:
-      out[0] = static_cast<uint8_t>(cp);
-      break;
-    case 2:
-      out[0] = static_cast<uint8_t>(0xc0 | (cp >> 6));
-      out[1] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
-      break;
-    case 3:
-      out[0] = static_cast<uint8_t>(0xe0 | (cp >> 12));
-      out[1] = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3f));
-      out[2] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
-      break;
-    default:
-      out[0] = static_cast<uint8_t>(0xf0 | (cp >> 18));
-      out[1] = static_cast<uint8_t>(0x80 | ((cp >> 12) & 0x3f));
-      out[2] = static_cast<uint8_t>(0x80 | ((cp >> 6) & 0x3f));
-      out[3] = static_cast<uint8_t>(0x80 | (cp & 0x3f));
-  }
-}
-
 // [lo, hi] (one encoded length) as sequences of byte ranges: split until every code point
 // between the bounds differs from them only in bytes whose whole continuation range is covered.
 void SplitUtf8(uint32_t lo, uint32_t hi, std::vector<std::vector<ByteSet>>* out) {
@@ -189,11 +168,13 @@ void SplitUtf8(uint32_t lo, uint32_t hi, std::vector<std::vector<ByteSet>>* out)
       return;
     }
   }
-  uint8_t a[4], b[4];
-  EncodeUtf8(lo, a);
-  EncodeUtf8(hi, b);
+  std::string a, b;
+  unicode::AppendUtf8(lo, &a);
+  unicode::AppendUtf8(hi, &b);
   std::vector<ByteSet> seq;
-  for (int k = 0; k < n; ++k) seq.push_back(ByteSet::Range(a[k], b[k]));
+  for (int k = 0; k < n; ++k) {
+    seq.push_back(ByteSet::Range(static_cast<uint8_t>(a[k]), static_cast<uint8_t>(b[k])));
+  }
   out->push_back(std::move(seq));
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/sampling/json_schema.h"
+#include "engine/tokenizer/unicode.h"
 
 namespace tandem::engine {
 namespace {
@@ -37,6 +38,7 @@ Ranges Complement(Ranges r) {
 class TextParser {
  public:
   TextParser(std::string what, std::string_view src) : what_(std::move(what)), src_(src) {}
+  virtual ~TextParser() = default;
 
  protected:
   bool AtEnd() const { return pos_ >= src_.size(); }
@@ -91,63 +93,35 @@ class TextParser {
   // nullopt (nothing consumed) when the escape is not one.
   absl::StatusOr<std::optional<uint32_t>> CharEscape() {
     const char c = Peek();
-    switch (c) {
-      case 'n':
+    static constexpr std::pair<char, char> kSimple[] = {{'n', '\n'}, {'r', '\r'}, {'t', '\t'},
+                                                        {'f', '\f'}, {'v', '\v'}, {'0', '\0'}};
+    for (const auto& [name, value] : kSimple) {
+      if (c == name) {
         ++pos_;
-        return std::optional<uint32_t>('\n');
-      case 'r':
-        ++pos_;
-        return std::optional<uint32_t>('\r');
-      case 't':
-        ++pos_;
-        return std::optional<uint32_t>('\t');
-      case 'f':
-        ++pos_;
-        return std::optional<uint32_t>('\f');
-      case 'v':
-        ++pos_;
-        return std::optional<uint32_t>('\v');
-      case '0':
-        ++pos_;
-        return std::optional<uint32_t>(0);
-      case 'x': {
-        ++pos_;
-        absl::StatusOr<uint32_t> v = Hex(2);
-        if (!v.ok()) return v.status();
-        return std::optional<uint32_t>(*v);
+        return std::optional<uint32_t>(static_cast<uint32_t>(value));
       }
-      case 'u': {
-        ++pos_;
-        if (Eat('{')) {
-          uint32_t v = 0;
-          int n = 0;
-          while (!AtEnd() && Peek() != '}' && n < 6) {
-            absl::StatusOr<uint32_t> d = Hex(1);
-            if (!d.ok()) return d.status();
-            v = v * 16 + *d;
-            ++n;
-          }
-          if (n == 0 || !Eat('}')) return Error("expected \\u{1 to 6 hex digits}");
-          if (v > kAnyMax) return Error("code point past U+10FFFF");
-          return std::optional<uint32_t>(v);
-        }
-        absl::StatusOr<uint32_t> v = Hex(4);
-        if (!v.ok()) return v.status();
-        return std::optional<uint32_t>(*v);
-      }
-      case 'U': {
-        ++pos_;
-        absl::StatusOr<uint32_t> v = Hex(8);
-        if (!v.ok()) return v.status();
-        return std::optional<uint32_t>(*v);
-      }
-      default:
-        if (c != '\0' && static_cast<uint8_t>(c) < 0x80 && !std::isalnum(c)) {
-          ++pos_;  // an escaped punctuation character stands for itself
-          return std::optional<uint32_t>(static_cast<uint32_t>(c));
-        }
-        return std::optional<uint32_t>();
     }
+    if (c == 'u' && Peek(1) == '{') {  // u{...}: 1 to 6 hex digits
+      pos_ += 2;
+      const size_t close = src_.find('}', pos_);
+      const size_t n = close == std::string_view::npos ? 0 : close - pos_;
+      if (n < 1 || n > 6) return Error("expected \\u{1 to 6 hex digits}");
+      absl::StatusOr<uint32_t> v = Hex(static_cast<int>(n));
+      if (!v.ok()) return v.status();
+      ++pos_;  // '}'
+      return std::optional<uint32_t>(*v);
+    }
+    if (c == 'x' || c == 'u' || c == 'U') {
+      ++pos_;
+      absl::StatusOr<uint32_t> v = Hex(c == 'x' ? 2 : c == 'u' ? 4 : 8);
+      if (!v.ok()) return v.status();
+      return std::optional<uint32_t>(*v);
+    }
+    if (c != '\0' && static_cast<uint8_t>(c) < 0x80 && !std::isalnum(c)) {
+      ++pos_;  // an escaped punctuation character stands for itself
+      return std::optional<uint32_t>(static_cast<uint32_t>(c));
+    }
+    return std::optional<uint32_t>();
   }
 
   // A shorthand class (\d \w \s and their negations), or nullopt (nothing consumed).
@@ -228,6 +202,47 @@ class TextParser {
     return std::make_pair(min, max);
   }
 
+  // One alternative; it stops before '|', ')' or whatever ends it in the syntax.
+  virtual absl::StatusOr<Seq> Sequence() = 0;
+
+  // Alternatives separated by '|', added to `rule`.
+  absl::Status Alternatives(uint32_t rule) {
+    do {
+      absl::StatusOr<Seq> s = Sequence();
+      if (!s.ok()) return s.status();
+      b_.AddAlt(rule, std::move(*s));
+    } while (Eat('|'));
+    return absl::OkStatus();
+  }
+
+  // The postfix operators after an element (* + ? {m} {m,} {m,n}, and GBNF's {,n}; a regex's
+  // may be lazy, which changes nothing when the whole output must match), applied to *e.
+  absl::Status Postfix(bool regex, Seq* e) {
+    while (true) {
+      int min, max;
+      if (Eat('*')) {
+        min = 0, max = -1;
+      } else if (Eat('+')) {
+        min = 1, max = -1;
+      } else if (Eat('?')) {
+        min = 0, max = 1;
+      } else if (Peek() == '{' && (std::isdigit(static_cast<unsigned char>(Peek(1))) ||
+                                   (!regex && Peek(1) == ','))) {
+        ++pos_;
+        absl::StatusOr<std::pair<int, int>> c = Counts(/*open_min=*/!regex);
+        if (!c.ok()) return c.status();
+        std::tie(min, max) = *c;
+      } else {
+        return absl::OkStatus();
+      }
+      if (regex) {
+        if (Peek() == '+') return Error("possessive quantifiers are not supported");
+        Eat('?');
+      }
+      *e = Repeat(*e, min, max);
+    }
+  }
+
   Seq Repeat(const Seq& body, int min, int max) {
     if (min == 1 && max == 1) return body;
     // The copies of a longer body refer to one rule that holds it.
@@ -238,25 +253,8 @@ class TextParser {
 
   Seq Char(uint32_t cp) {
     std::string s;
-    AppendUtf8(cp, &s);
+    unicode::AppendUtf8(cp, &s);
     return b_.Literal(s);
-  }
-  static void AppendUtf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) {
-      out->push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else if (cp < 0x10000) {
-      out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else {
-      out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    }
   }
 
   absl::StatusOr<Seq> ClassElem(const Ranges& r) {
@@ -375,39 +373,14 @@ class GbnfParser : public TextParser {
     return it->second;
   }
 
-  absl::Status Alternatives(uint32_t rule) {
-    do {
-      absl::StatusOr<Seq> s = Sequence();
-      if (!s.ok()) return s.status();
-      b_.AddAlt(rule, std::move(*s));
-    } while (Eat('|'));
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<Seq> Sequence() {
+  absl::StatusOr<Seq> Sequence() override {
     Seq seq;
     while (true) {
       SkipSpace();
       if (AtEnd() || Peek() == '|' || Peek() == ')' || AtRuleStart()) return seq;
       absl::StatusOr<Seq> e = Primary();
       if (!e.ok()) return e.status();
-      while (true) {
-        int min, max;
-        if (Eat('*')) {
-          min = 0, max = -1;
-        } else if (Eat('+')) {
-          min = 1, max = -1;
-        } else if (Eat('?')) {
-          min = 0, max = 1;
-        } else if (Eat('{')) {
-          absl::StatusOr<std::pair<int, int>> c = Counts(/*open_min=*/true);
-          if (!c.ok()) return c.status();
-          std::tie(min, max) = *c;
-        } else {
-          break;
-        }
-        *e = Repeat(*e, min, max);
-      }
+      if (absl::Status st = Postfix(/*regex=*/false, &*e); !st.ok()) return st;
       seq.insert(seq.end(), e->begin(), e->end());
       if (TooLarge()) return SizeError();
     }
@@ -429,7 +402,7 @@ class GbnfParser : public TextParser {
           if (!c.ok()) return c.status();
           cp = *c;
         }
-        AppendUtf8(cp, &lit);
+        unicode::AppendUtf8(cp, &lit);
       }
       return b_.Literal(lit);
     }
@@ -462,22 +435,13 @@ class RegexParser : public TextParser {
   absl::StatusOr<Grammar> Parse() {
     Eat('^');
     const uint32_t root = b_.NewRule();
-    if (absl::Status st = Alternation(root); !st.ok()) return st;
+    if (absl::Status st = Alternatives(root); !st.ok()) return st;
     if (!AtEnd()) return Error("unbalanced ')'");
     return Finish(root);
   }
 
  private:
-  absl::Status Alternation(uint32_t rule) {
-    do {
-      absl::StatusOr<Seq> s = Concat();
-      if (!s.ok()) return s.status();
-      b_.AddAlt(rule, std::move(*s));
-    } while (Eat('|'));
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<Seq> Concat() {
+  absl::StatusOr<Seq> Sequence() override {
     Seq seq;
     while (!AtEnd() && Peek() != '|' && Peek() != ')') {
       if (Peek() == '$' && (pos_ + 1 == src_.size() || Peek(1) == '|' || Peek(1) == ')')) {
@@ -486,26 +450,7 @@ class RegexParser : public TextParser {
       }
       absl::StatusOr<Seq> e = Atom();
       if (!e.ok()) return e.status();
-      while (true) {
-        int min, max;
-        if (Eat('*')) {
-          min = 0, max = -1;
-        } else if (Eat('+')) {
-          min = 1, max = -1;
-        } else if (Eat('?')) {
-          min = 0, max = 1;
-        } else if (Peek() == '{' && std::isdigit(static_cast<unsigned char>(Peek(1)))) {
-          ++pos_;
-          absl::StatusOr<std::pair<int, int>> c = Counts(/*open_min=*/false);
-          if (!c.ok()) return c.status();
-          std::tie(min, max) = *c;
-        } else {
-          break;
-        }
-        if (Peek() == '+') return Error("possessive quantifiers are not supported");
-        Eat('?');  // lazy: the same language
-        *e = Repeat(*e, min, max);
-      }
+      if (absl::Status st = Postfix(/*regex=*/true, &*e); !st.ok()) return st;
       seq.insert(seq.end(), e->begin(), e->end());
       if (TooLarge()) return SizeError();
     }
@@ -531,7 +476,7 @@ class RegexParser : public TextParser {
         }
       }
       const uint32_t r = b_.NewRule();
-      if (absl::Status st = Alternation(r); !st.ok()) return st;
+      if (absl::Status st = Alternatives(r); !st.ok()) return st;
       if (!Eat(')')) return Error("expected ')'");
       return Seq{GrammarBuilder::Ref(r)};
     }

@@ -15,6 +15,7 @@
 #include "engine/sampling/grammar.h"
 #include "engine/sampling/grammar_text.h"
 #include "engine/sampling/json_schema.h"
+#include "engine/tokenizer/unicode.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/fakes/tiny_model.h"
@@ -281,21 +282,7 @@ bool Accepts(const Grammar& g, const std::string& s) {
 
 std::string Utf8(uint32_t cp) {
   std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xc0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3f));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xe0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    s += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    s += static_cast<char>(0xf0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    s += static_cast<char>(0x80 | (cp & 0x3f));
-  }
+  unicode::AppendUtf8(cp, &s);
   return s;
 }
 
