@@ -1,8 +1,8 @@
 // Response conformance of tandem's OpenAI-compatible HTTP front door: JSON Schemas generated
 // from the pinned `openai` package's own TypeScript types (ts-json-schema-generator; extra
 // fields allowed), and every response and streamed chunk of /v1/models, /v1/completions and
-// /v1/chat/completions (plain, streamed, with logprobs, n = 2, tools, json_schema) validated against
-// them with ajv. Prints one JSON object (cases checked, failures with ajv's errors); exits 1 on
+// /v1/chat/completions (plain, streamed, with logprobs, n = 2, tools, json_schema) validated
+// against them with ajv. Prints one JSON object (cases checked, failures with ajv's errors); exits 1 on
 // any failure.
 //
 //   node conformance.cjs --base-url http://127.0.0.1:PORT/v1 --prompt P [--deps DIR]
@@ -14,19 +14,10 @@
 const path = require('path');
 const { createRequire } = require('module');
 
+const { parseFlags } = require('./flags.cjs');
+
 function parseArgs(argv) {
-  const a = { baseUrl: '', prompt: '', deps: path.resolve(__dirname, '../../../.cache/openai-client') };
-  for (let i = 2; i < argv.length; i += 2) {
-    const v = argv[i + 1];
-    switch (argv[i]) {
-      case '--base-url': a.baseUrl = v; break;
-      case '--prompt': a.prompt = v; break;
-      case '--deps': a.deps = v; break;
-      default: throw new Error(`unknown flag ${argv[i]}`);
-    }
-  }
-  if (!a.baseUrl) throw new Error('--base-url is required');
-  return a;
+  return parseFlags(argv, { prompt: '' });
 }
 
 // The openai package's types, as JSON Schemas.
@@ -109,7 +100,8 @@ async function main() {
                                                    stream: true }],
     ['chat n=2', 'chat/completions', { messages, n: 2, temperature: 0.9 }],
     ['chat n=2 stream', 'chat/completions', { messages, n: 2, temperature: 0.9, stream: true }],
-    ['chat tools', 'chat/completions', { messages, tools, tool_choice: 'required', max_tokens: 60 }],
+    ['chat tools', 'chat/completions',
+      { messages, tools, tool_choice: 'required', max_tokens: 60 }],
     ['chat tools stream', 'chat/completions', { messages, tools, tool_choice: 'required',
                                                max_tokens: 60, stream: true }],
     ['chat json_schema', 'chat/completions', {

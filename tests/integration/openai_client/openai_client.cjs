@@ -5,7 +5,7 @@
 // finish reasons, usage and log-probabilities; exits 1 on any unexpected answer.
 //
 //   node openai_client.cjs --base-url http://127.0.0.1:PORT/v1 --prompt P [--max-tokens N]
-//        [--temperature T] [--seed S] [--model M] [--openai-dir DIR]
+//        [--temperature T] [--seed S] [--model M] [--deps DIR]
 //
 // The client comes from DIR/node_modules/openai (default: the repository's
 // .cache/openai-client, filled by scripts/fetch_openai_client.sh).
@@ -13,33 +13,19 @@
 
 const path = require('path');
 
+const { parseFlags } = require('./flags.cjs');
+
 function parseArgs(argv) {
-  const a = {
-    baseUrl: '', prompt: '', maxTokens: 16, temperature: 0, seed: 0, model: '',
-    openaiDir: path.resolve(__dirname, '../../../.cache/openai-client'),
-  };
-  for (let i = 2; i < argv.length; i += 2) {
-    const v = argv[i + 1];
-    switch (argv[i]) {
-      case '--base-url': a.baseUrl = v; break;
-      case '--prompt': a.prompt = v; break;
-      case '--max-tokens': a.maxTokens = Number(v); break;
-      case '--temperature': a.temperature = Number(v); break;
-      case '--seed': a.seed = Number(v); break;
-      case '--model': a.model = v; break;
-      case '--openai-dir': a.openaiDir = v; break;
-      default: throw new Error(`unknown flag ${argv[i]}`);
-    }
-  }
-  if (!a.baseUrl) throw new Error('--base-url is required');
-  return a;
+  return parseFlags(argv, { prompt: '', maxTokens: 16, temperature: 0, seed: 0, model: '' });
 }
 
 async function main() {
   const a = parseArgs(process.argv);
-  const mod = require(path.join(a.openaiDir, 'node_modules', 'openai'));
+  const mod = require(path.join(a.deps, 'node_modules', 'openai'));
   const OpenAI = mod.OpenAI || mod.default || mod;
-  const client = new OpenAI({ baseURL: a.baseUrl, apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+  const client = new OpenAI({
+    baseURL: a.baseUrl, apiKey: 'unused', maxRetries: 0, timeout: 120000,
+  });
   const models = await client.models.list();
   const model = a.model || models.data[0].id;
   const common = { model, max_tokens: a.maxTokens, temperature: a.temperature, seed: a.seed };
@@ -52,7 +38,9 @@ async function main() {
 
   let text = '';
   let finish = null;
-  for await (const chunk of await client.completions.create({ ...common, prompt: a.prompt, stream: true })) {
+  const completionStream =
+      await client.completions.create({ ...common, prompt: a.prompt, stream: true });
+  for await (const chunk of completionStream) {
     text += chunk.choices[0].text;
     finish = chunk.choices[0].finish_reason || finish;
   }

@@ -153,7 +153,7 @@ TEST_F(OpenAiClientTest, OfficialClientMatchesTandemClient) {
   const Result node = RunCommand(
       absl::StrCat("node ", Quote(kScript.string()), " --base-url ", Quote(BaseUrl()),
                    " --prompt ", Quote(prompt), " --max-tokens ", kMaxTokens,
-                   " --temperature 0 --seed 0 --openai-dir ", Quote(kPackageDir.string())),
+                   " --temperature 0 --seed 0 --deps ", Quote(kPackageDir.string())),
       180);
   std::printf("%s", node.out.c_str());
   ASSERT_EQ(node.exit_code, 0) << node.err << node.out;
@@ -402,7 +402,8 @@ TEST_F(OpenAiClientTest, BufCurlCallsThroughReflection) {
   const fs::path buf = kPackageDir / "node_modules" / "@bufbuild" / "buf-linux-x64" / "bin" / "buf";
   if (!fs::exists(buf)) GTEST_SKIP() << buf << " is not installed";
   const std::string url = absl::StrCat("http://", router_);
-  const std::string curl = absl::StrCat(Quote(buf.string()), " curl --protocol grpc --http2-prior-knowledge ");
+  const std::string curl =
+      absl::StrCat(Quote(buf.string()), " curl --protocol grpc --http2-prior-knowledge ");
   const Result list = RunCommand(absl::StrCat(curl, "--list-services ", url), 60);
   ASSERT_EQ(list.exit_code, 0) << list.err;
   for (const char* svc : {"tandem.v1.Inference", "grpc.health.v1.Health", "tandem.v1.Registry"}) {

@@ -9,23 +9,10 @@
 const path = require('path');
 const { createRequire } = require('module');
 
+const { parseFlags } = require('./flags.cjs');
+
 function parseArgs(argv) {
-  const a = {
-    baseUrl: '', prompt: '', maxTokens: 16,
-    deps: path.resolve(__dirname, '../../../.cache/openai-client'),
-  };
-  for (let i = 2; i < argv.length; i += 2) {
-    const v = argv[i + 1];
-    switch (argv[i]) {
-      case '--base-url': a.baseUrl = v; break;
-      case '--prompt': a.prompt = v; break;
-      case '--max-tokens': a.maxTokens = Number(v); break;
-      case '--deps': a.deps = v; break;
-      default: throw new Error(`unknown flag ${argv[i]}`);
-    }
-  }
-  if (!a.baseUrl) throw new Error('--base-url is required');
-  return a;
+  return parseFlags(argv, { prompt: '', maxTokens: 16 });
 }
 
 async function main() {
