@@ -2,8 +2,8 @@
 // from the pinned `openai` package's own TypeScript types (ts-json-schema-generator; extra
 // fields allowed), and every response and streamed chunk of /v1/models, /v1/completions and
 // /v1/chat/completions (plain, streamed, with logprobs, n = 2, tools, json_schema) validated
-// against them with ajv. Prints one JSON object (cases checked, failures with ajv's errors); exits 1 on
-// any failure.
+// against them with ajv. Prints one JSON object (cases checked, failures with ajv's errors);
+// exits 1 on any failure.
 //
 //   node conformance.cjs --base-url http://127.0.0.1:PORT/v1 --prompt P [--deps DIR]
 //
