@@ -4,7 +4,7 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 
-.PHONY: all setup configure build test demo fidelity fuzz-smoke gpu-bundle gpu-check clean
+.PHONY: all setup configure build test demo fidelity fuzz-smoke thread-safety gpu-bundle gpu-check clean
 
 all: build
 
@@ -28,6 +28,11 @@ demo: build
 
 fidelity: build
 	@scripts/fidelity.sh $(BUILD)
+
+# Clang's -Wthread-safety over the ABSL_GUARDED_BY & co annotations, on this build's compile
+# commands (syntax only; `make test` runs it too, as the thread_safety test).
+thread-safety: build
+	@python3 scripts/thread_safety.py $(BUILD) -j $(JOBS)
 
 # libFuzzer targets built with clang in build-fuzz/, ~20 s each (docs/fuzzing.md).
 fuzz-smoke:

@@ -4,7 +4,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 
-pkgs=(cmake ninja-build ccache g++ pkg-config git
+pkgs=(cmake ninja-build ccache g++ clang pkg-config git
       libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
       libxxhash-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
       libucx-dev ucx-utils prometheus-cpp-dev liburing-dev libcpp-httplib-dev libspdlog-dev

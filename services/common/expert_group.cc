@@ -321,7 +321,10 @@ grpc::Status ExpertGroup::Join(grpc::ServerContext* ctx, const v1::JoinExpertGro
   absl::Status dropped;
   {
     absl::MutexLock l(&mu_);
-    auto over = [&] { return shutdown_ || !r.in || r.session != session; };
+    auto over = [&] {
+      mu_.AssertHeld();  // Await calls it under mu_
+      return shutdown_ || !r.in || r.session != session;
+    };
     while (!over() && !ctx->IsCancelled()) {
       mu_.AwaitWithTimeout(absl::Condition(&over), absl::Milliseconds(20));
     }

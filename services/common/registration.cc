@@ -126,7 +126,10 @@ void RegistrationClient::Loop() {
     }
     absl::MutexLock l(&mu_);
     const absl::Time until = absl::Now() + wait;
-    auto wake = [this] { return stop_ || kick_; };
+    auto wake = [this] {
+      mu_.AssertHeld();  // Await calls it under mu_
+      return stop_ || kick_;
+    };
     mu_.AwaitWithDeadline(absl::Condition(&wake), until);
     kick_ = false;
   }

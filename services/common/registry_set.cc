@@ -177,7 +177,10 @@ void RegistrySet::Loop() {
   for (;;) {
     Reconcile();
     absl::MutexLock l(&mu_);
-    auto stopping = [this] { return stop_; };
+    auto stopping = [this] {
+      mu_.AssertHeld();  // Await calls it under mu_
+      return stop_;
+    };
     if (mu_.AwaitWithTimeout(absl::Condition(&stopping), o_.resolve_interval)) return;
   }
 }

@@ -340,7 +340,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillWorker::Prefill(
   for (;;) {
     {
       absl::MutexLock l(&job->result_mu);
-      auto done = [j = job.get()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->result_mu) { return j->done; };
+      auto done = [j = job.get()] {
+        j->result_mu.AssertHeld();  // Await calls it under result_mu
+        return j->done;
+      };
       if (job->result_mu.AwaitWithDeadline(absl::Condition(&done),
                                            std::min(deadline, absl::Now() + o_.poll))) {
         return job->result;

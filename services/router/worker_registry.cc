@@ -227,6 +227,7 @@ PlanKind WorkerRegistry::Plan() const {
   const absl::Time now = Now();
   // A pool can serve when one of its indexed (not draining) workers holds a lease.
   auto any = [&](Pool pool) {
+    mu_.AssertReaderHeld();  // called right here, under the lock (the analysis cannot see it)
     for (const auto& [key, w] : index_[static_cast<int>(pool)]) {
       if (now < w->lease_expiry) return true;
     }

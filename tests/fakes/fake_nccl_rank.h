@@ -49,7 +49,10 @@ class FakeRank final : public NcclTransport {
     address_ = AddressOfRank(uid, rank);
     w_->by_address[address_] = this;
     w_->joined[uid]++;
-    auto all = [&] { return w_->joined[uid] >= nranks; };
+    auto all = [&] {
+      w_->mu.AssertHeld();  // Await calls it under mu
+      return w_->joined[uid] >= nranks;
+    };
     while (!all()) {
       if (Clock::now() >= deadline) return absl::DeadlineExceededError("fake: peer never joined");
       w_->mu.AwaitWithTimeout(absl::Condition(&all), absl::Milliseconds(5));
