@@ -28,7 +28,7 @@ absl::StatusOr<std::shared_ptr<const TokenConstraint>> CompileConstraint(const C
                                                                          const Tokenizer& tok) {
   if (c.kind == Constraint::Kind::kNone) return nullptr;
   static absl::Mutex mu(absl::kConstInit);
-  static auto* cache = new std::list<Compiled>();  // most recently used first
+  static auto* cache ABSL_PT_GUARDED_BY(mu) = new std::list<Compiled>();  // most recent first
   {
     absl::MutexLock lock(&mu);
     for (auto it = cache->begin(); it != cache->end(); ++it) {

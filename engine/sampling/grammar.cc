@@ -376,7 +376,8 @@ std::shared_ptr<const VocabTrie> VocabTrie::Get(const Tokenizer& tok) {
   // One trie per live tokenizer, keyed by address and checked against its vocabulary size (a
   // later tokenizer at a freed one's address gets a trie of its own).
   static absl::Mutex mu(absl::kConstInit);
-  static auto* cache = new std::map<const Tokenizer*, std::weak_ptr<const VocabTrie>>();
+  static auto* cache ABSL_PT_GUARDED_BY(mu) =
+      new std::map<const Tokenizer*, std::weak_ptr<const VocabTrie>>();
   absl::MutexLock lock(&mu);
   for (auto it = cache->begin(); it != cache->end();) {
     it = it->second.expired() ? cache->erase(it) : std::next(it);

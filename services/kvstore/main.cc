@@ -231,13 +231,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<tandem::trace::Tracer>> tracer =
       tandem::services::OpenTrace(trace_flags, "tandem-kvstore");
   if (!tracer.ok()) return Fail(tracer.status());
-  tandem::kvstore::KvStoreService service(store->get(), data_plane.get(), tracer->get());
-  tandem::services::GrpcServerOptions so;
-  so.host = host;
-  so.port = port;
-  so.services = {&service};
-  auto server = tandem::services::GrpcServer::Start(so);
-  if (!server.ok()) return Fail(server.status());
+  // The tiers as opened (SSD blocks found after a restart), read before the server starts: from
+  // then on the store is read only under its lock.
   for (int t = 0; t < tandem::kvstore::kNumTiers; ++t) {
     const auto* tier = (*store)->tier(static_cast<tandem::kvstore::TierKind>(t));
     if (tier == nullptr) continue;
@@ -246,6 +241,13 @@ int main(int argc, char** argv) {
                  static_cast<unsigned long long>(tier->Capacity()),
                  static_cast<long long>(tier->NumBlocks()));
   }
+  tandem::kvstore::KvStoreService service(store->get(), data_plane.get(), tracer->get());
+  tandem::services::GrpcServerOptions so;
+  so.host = host;
+  so.port = port;
+  so.services = {&service};
+  auto server = tandem::services::GrpcServer::Start(so);
+  if (!server.ok()) return Fail(server.status());
   std::fprintf(stderr, "tandem-kvstore: serving on %s\n", (*server)->address().c_str());
   // Declared after the store: the server (and so every scrape) ends before the store does.
   tandem::services::Metrics metrics;

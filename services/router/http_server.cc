@@ -1,7 +1,6 @@
 #include "services/router/http_server.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -30,50 +29,51 @@ class ElasticTaskQueue final : public httplib::TaskQueue {
   ~ElasticTaskQueue() override { shutdown(); }
 
   void enqueue(std::function<void()> fn) override {
-    std::unique_lock<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     jobs_.push_back(std::move(fn));
     // Idle threads not yet woken still count as idle: compare them with the jobs waiting.
     if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
       threads_.emplace_back([this] { Work(); });
     } else {
-      cv_.notify_one();
+      cv_.Signal();
     }
   }
 
   void shutdown() override {
     std::vector<std::thread> threads;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
       threads.swap(threads_);
+      cv_.SignalAll();
     }
-    cv_.notify_all();
     for (std::thread& t : threads) t.join();
   }
 
  private:
-  void Work() {
-    std::unique_lock<std::mutex> lock(mu_);
+  void Work() ABSL_LOCKS_EXCLUDED(mu_) {
+    mu_.Lock();
     while (true) {
       idle_++;
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      while (!stop_ && jobs_.empty()) cv_.Wait(&mu_);
       idle_--;
-      if (jobs_.empty()) return;  // stopping, and every queued job has been taken
+      if (jobs_.empty()) break;  // stopping, and every queued job has been taken
       std::function<void()> fn = std::move(jobs_.front());
       jobs_.pop_front();
-      lock.unlock();
+      mu_.Unlock();
       fn();
-      lock.lock();
+      mu_.Lock();
     }
+    mu_.Unlock();
   }
 
   const size_t max_threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  size_t idle_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 void SendJson(httplib::Response& res, int status, const nlohmann::ordered_json& j) {

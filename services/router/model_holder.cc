@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<ModelHolder>> ModelHolder::Create(const ModelHold
   }
   std::unique_ptr<ModelHolder> h(new ModelHolder(o));
   if (o.model_path.empty()) return h;
+  absl::MutexLock lock(&h->mu_);  // no other thread has it yet; says so to the analysis
   TANDEM_ASSIGN_OR_RETURN(h->owned_, RouterModel::Load(o.model_path, o.model_id, o.ctx_size));
   if (o.need_chat) {
     // The chat template is GGUF metadata the tokenizer does not keep: read it here (the
@@ -54,6 +55,7 @@ absl::StatusOr<std::unique_ptr<ModelHolder>> ModelHolder::Create(const ModelHold
 std::unique_ptr<ModelHolder> ModelHolder::Of(std::unique_ptr<RouterModel> model,
                                              ChatTemplate chat) {
   std::unique_ptr<ModelHolder> h(new ModelHolder(ModelHolderOptions{}));
+  absl::MutexLock lock(&h->mu_);  // no other thread has it yet; says so to the analysis
   h->owned_ = std::move(model);
   h->chat_ = std::move(chat);
   h->model_.store(h->owned_.get(), std::memory_order_release);

@@ -68,7 +68,7 @@ class ModelHolder {
 
   ModelHolderOptions o_;
   absl::Mutex mu_;  // serialises learning
-  std::unique_ptr<RouterModel> owned_;
+  std::unique_ptr<RouterModel> owned_ ABSL_GUARDED_BY(mu_);
   ChatTemplate chat_;  // written before model_ is published, then read-only
   std::atomic<const RouterModel*> model_{nullptr};
   std::atomic<bool> learned_from_card_{false};

@@ -5,11 +5,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -17,6 +15,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/transfer/op_validation.h"
 
 namespace tandem::transfer {
@@ -97,10 +98,9 @@ class NcclTransportImpl final : public NcclTransport {
   }
   ~NcclTransportImpl() override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
     thread_.join();
   }
 
@@ -237,25 +237,17 @@ class NcclTransportImpl final : public NcclTransport {
   };
 
   void Post(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
+    absl::MutexLock l(&mu_);
+    tasks_.push_back(std::move(task));
   }
   absl::Status RunAndWait(std::function<absl::Status()> fn) {
-    std::mutex m;
-    std::condition_variable cv;
-    bool finished = false;
+    absl::Notification finished;
     absl::Status result;
     Post([&] {
       result = fn();
-      std::lock_guard<std::mutex> l(m);
-      finished = true;
-      cv.notify_one();
+      finished.Notify();
     });
-    std::unique_lock<std::mutex> l(m);
-    cv.wait(l, [&] { return finished; });
+    finished.WaitForNotification();
     return result;
   }
 
@@ -447,14 +439,16 @@ class NcclTransportImpl final : public NcclTransport {
     for (;;) {
       std::deque<std::function<void()>> tasks;
       {
-        std::unique_lock<std::mutex> l(mu_);
-        bool idle = comm_ == nullptr || broken_;
-        if (tasks_.empty() && !stop_) {
-          if (idle) {
-            cv_.wait(l, [this] { return stop_ || !tasks_.empty(); });
-          } else if (backoff.count() > 0) {
-            cv_.wait_for(l, backoff, [this] { return stop_ || !tasks_.empty(); });
-          }
+        absl::MutexLock l(&mu_);
+        const bool idle = comm_ == nullptr || broken_;
+        auto wake = [this] {
+          mu_.AssertHeld();  // Await calls it under mu_
+          return stop_ || !tasks_.empty();
+        };
+        if (idle) {
+          mu_.Await(absl::Condition(&wake));
+        } else if (backoff.count() > 0) {
+          mu_.AwaitWithTimeout(absl::Condition(&wake), absl::FromChrono(backoff));
         }
         if (stop_) break;
         tasks.swap(tasks_);
@@ -495,10 +489,9 @@ class NcclTransportImpl final : public NcclTransport {
 
   const int device_;
   std::thread thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Progress thread only.
   ncclComm_t comm_ = nullptr;

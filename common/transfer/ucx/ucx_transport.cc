@@ -247,6 +247,8 @@ class UcxTransport final : public KvTransport {
     std::unordered_map<uint64_t, RemoteRegion> regions;  // by the peer's region id (stable)
     ~Peer() {
       regions.clear();  // remote keys before the endpoint they were unpacked on
+      // Peers live in progress-thread state: the last reference drops under worker_mu_.
+      owner->worker_mu_.AssertHeld();
       if (ep != nullptr) owner->CloseEndpoint(std::move(ep), /*force=*/failed);
       if (pidfd >= 0) close(pidfd);
     }
@@ -325,54 +327,62 @@ class UcxTransport final : public KvTransport {
   absl::Status CallAndWait(std::function<void(std::function<void(absl::Status)>)> fn);
 
   // ---- progress thread only below ----
-  void Loop();
-  bool RunTasks();
-  void AfterProgress();
-  void CheckDeadlines(Clock::time_point now);
-  bool Busy() const;
-  bool ReadyToExit(Clock::time_point now);
-  void CheckPeerProcesses();
-  void BeginShutdown();
+  void Loop() ABSL_LOCKS_EXCLUDED(worker_mu_);
+  bool RunTasks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void AfterProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void CheckDeadlines(Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  bool Busy() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  bool ReadyToExit(Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void CheckPeerProcesses() ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void BeginShutdown() ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
 
   // Returns the new batch's id.
   uint64_t StartBatch(const RegionDescriptor& dst, std::vector<WriteOp> ops,
-                      Clock::time_point deadline, std::function<void(absl::Status)> done);
+                      Clock::time_point deadline, std::function<void(absl::Status)> done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   // The caller-thread fast path of WriteAsync; false (nothing done, `ops` and `done` untouched)
   // when it cannot take it.
   bool TryWriteInline(const RegionDescriptor& dst, std::vector<WriteOp>& ops,
-                      Clock::time_point deadline, std::function<void(absl::Status)>& done);
+                      Clock::time_point deadline, std::function<void(absl::Status)>& done)
+      ABSL_LOCKS_EXCLUDED(worker_mu_);
   // Settles a batch whose requests are all complete: stats, the dead-receiver check, and the
   // callback to run (moved out). Progress-thread state: under worker_mu_.
-  std::function<void()> Settle(Batch* b);
-  absl::Status IssuePuts(Batch* b, const RegionDescriptor& dst, const std::vector<WriteOp>& ops);
+  std::function<void()> Settle(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  absl::Status IssuePuts(Batch* b, const RegionDescriptor& dst, const std::vector<WriteOp>& ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   absl::Status IssueMessages(Batch* b, const RegionDescriptor& dst,
-                             const std::vector<WriteOp>& ops);
-  bool Track(Batch* b, ucs_status_ptr_t req, std::string_view what);
-  void Fail(Batch* b, absl::Status s);
-  void MaybeFinish(Batch* b);
-  absl::StatusOr<std::shared_ptr<Peer>> GetPeer(const std::string& address);
-  absl::StatusOr<RemoteRegion*> GetRemoteRegion(Peer& peer, const RegionDescriptor& dst);
+                             const std::vector<WriteOp>& ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  bool Track(Batch* b, ucs_status_ptr_t req, std::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void Fail(Batch* b, absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void MaybeFinish(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  absl::StatusOr<std::shared_ptr<Peer>> GetPeer(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  absl::StatusOr<RemoteRegion*> GetRemoteRegion(Peer& peer, const RegionDescriptor& dst)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   absl::StatusOr<RegionDescriptor> AddRegion(void* base, uint64_t length, void** allocated);
-  void DropPeer(const std::shared_ptr<Peer>& peer, const absl::Status& why);
-  void CloseEndpoint(std::unique_ptr<ucx::UcxEndpoint> ep, bool force);
-  void FinishDeregister(uint64_t region_id, absl::Status s);
+  void DropPeer(const std::shared_ptr<Peer>& peer, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void CloseEndpoint(std::unique_ptr<ucx::UcxEndpoint> ep, bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void FinishDeregister(uint64_t region_id, absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
 
+  // UCX calls these from inside ucp_worker_progress and other UCP calls, which run under
+  // worker_mu_ (the static trampolines below say so to the analysis).
   ucs_status_t OnAmWrite(const void* header, size_t header_length, void* data, size_t length,
-                         const ucp_am_recv_param_t* param);
+                         const ucp_am_recv_param_t* param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   ucs_status_t OnAmAck(const void* header, size_t header_length, void* data, size_t length,
-                       const ucp_am_recv_param_t* param);
-  void OnRecvDone(RecvContext* ctx, ucs_status_t st);
-  void MaybeAck(const InboundKey& key);
-  void OnRequestDone(Batch* b, void* request, ucs_status_t st);
-  void OnEndpointError(ucp_ep_h ep, ucs_status_t st);
+                       const ucp_am_recv_param_t* param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void OnRecvDone(RecvContext* ctx, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void MaybeAck(const InboundKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void OnRequestDone(Batch* b, void* request, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void OnEndpointError(ucp_ep_h ep, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
 
   static void SendDoneCb(void* request, ucs_status_t st, void* user_data) {
     auto* b = static_cast<Batch*>(user_data);
+    b->owner->worker_mu_.AssertHeld();
     b->owner->OnRequestDone(b, request, st);
   }
   static void RecvDoneCb(void* request, ucs_status_t st, size_t, void* user_data) {
     auto* ctx = static_cast<RecvContext*>(user_data);
     UcxTransport* self = ctx->owner;
+    self->worker_mu_.AssertHeld();
     ucp_request_free(request);
     --self->inflight_;
     self->OnRecvDone(ctx, st);
@@ -384,14 +394,20 @@ class UcxTransport final : public KvTransport {
   }
   static ucs_status_t AmWriteCb(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param) {
-    return static_cast<UcxTransport*>(arg)->OnAmWrite(header, header_length, data, length, param);
+    auto* self = static_cast<UcxTransport*>(arg);
+    self->worker_mu_.AssertHeld();
+    return self->OnAmWrite(header, header_length, data, length, param);
   }
   static ucs_status_t AmAckCb(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param) {
-    return static_cast<UcxTransport*>(arg)->OnAmAck(header, header_length, data, length, param);
+    auto* self = static_cast<UcxTransport*>(arg);
+    self->worker_mu_.AssertHeld();
+    return self->OnAmAck(header, header_length, data, length, param);
   }
   static void EndpointErrorCb(void* arg, ucp_ep_h ep, ucs_status_t st) {
-    static_cast<UcxTransport*>(arg)->OnEndpointError(ep, st);
+    auto* self = static_cast<UcxTransport*>(arg);
+    self->worker_mu_.AssertHeld();
+    self->OnEndpointError(ep, st);
   }
 
   const UcxTransportOptions options_;
@@ -424,25 +440,27 @@ class UcxTransport final : public KvTransport {
   absl::Mutex worker_mu_;
 
   // Owned by the progress thread (created before it starts, destroyed after it joins).
-  std::unique_ptr<ucx::UcxContext> context_;
-  std::unique_ptr<ucx::UcxWorker> worker_;
-  std::map<uint64_t, Region> regions_;
-  uint64_t next_region_id_ = 1;
-  absl::flat_hash_map<std::string, std::shared_ptr<Peer>> peers_;
-  absl::flat_hash_map<ucp_ep_h, Peer*> peer_by_ep_;  // open endpoints, for the error handler
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
-  uint64_t next_batch_id_ = 1;
-  std::vector<uint64_t> finished_;     // batches whose callback may be due
-  std::vector<ucp_ep_h> failed_eps_;   // reported by the error handler, handled after progress
-  std::vector<uint64_t> drained_;      // closing regions whose last receive completed
-  absl::flat_hash_map<InboundKey, Inbound> inbound_;
-  std::vector<void*> closing_;  // endpoint close requests
-  int inflight_ = 0;            // outstanding UCP requests of all kinds
-  bool stopping_ = false;
-  Clock::time_point stop_started_;
-  Clock::time_point next_deadline_ = Clock::time_point::max();
-  Clock::time_point next_gc_;
-  Clock::time_point next_liveness_check_;
+  // Init holds the lock while it sets them up, the destructor while it tears them down.
+  std::unique_ptr<ucx::UcxContext> context_ ABSL_PT_GUARDED_BY(worker_mu_);
+  std::unique_ptr<ucx::UcxWorker> worker_ ABSL_PT_GUARDED_BY(worker_mu_);
+  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(worker_mu_);
+  uint64_t next_region_id_ ABSL_GUARDED_BY(worker_mu_) = 1;
+  absl::flat_hash_map<std::string, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(worker_mu_);
+  // Open endpoints, for the error handler.
+  absl::flat_hash_map<ucp_ep_h, Peer*> peer_by_ep_ ABSL_GUARDED_BY(worker_mu_);
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_ ABSL_GUARDED_BY(worker_mu_);
+  uint64_t next_batch_id_ ABSL_GUARDED_BY(worker_mu_) = 1;
+  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(worker_mu_);    // batches whose callback may be due
+  std::vector<ucp_ep_h> failed_eps_ ABSL_GUARDED_BY(worker_mu_);  // from the error handler, handled after progress
+  std::vector<uint64_t> drained_ ABSL_GUARDED_BY(worker_mu_);     // closing regions whose last receive completed
+  absl::flat_hash_map<InboundKey, Inbound> inbound_ ABSL_GUARDED_BY(worker_mu_);
+  std::vector<void*> closing_ ABSL_GUARDED_BY(worker_mu_);  // endpoint close requests
+  int inflight_ ABSL_GUARDED_BY(worker_mu_) = 0;            // outstanding UCP requests of all kinds
+  bool stopping_ ABSL_GUARDED_BY(worker_mu_) = false;
+  Clock::time_point stop_started_ ABSL_GUARDED_BY(worker_mu_);
+  Clock::time_point next_deadline_ ABSL_GUARDED_BY(worker_mu_) = Clock::time_point::max();
+  Clock::time_point next_gc_ ABSL_GUARDED_BY(worker_mu_);
+  Clock::time_point next_liveness_check_ ABSL_GUARDED_BY(worker_mu_);
 };
 
 // ------------------------------------------------------------------------------------------
@@ -470,6 +488,8 @@ absl::StatusOr<std::unique_ptr<KvTransport>> UcxTransport::Create(
 }
 
 absl::Status UcxTransport::Init() {
+  // No other thread yet; the progress thread, started last, waits for it to return.
+  absl::MutexLock l(&worker_mu_);
   std::vector<std::pair<std::string, std::string>> config = {{"TLS", tls_}};
   config.insert(config.end(), options_.ucx_config.begin(), options_.ucx_config.end());
   TANDEM_ASSIGN_OR_RETURN(
@@ -545,6 +565,7 @@ UcxTransport::~UcxTransport() {
     thread_.join();
   }
   // The thread has exited: its objects are ours now. Order: regions, endpoints, worker, context.
+  absl::MutexLock l(&worker_mu_);
   regions_.clear();
   peers_.clear();
   // A batch UCX still holds requests of (shutdown grace ran out) is leaked on purpose: a late
@@ -623,6 +644,7 @@ absl::StatusOr<RegionDescriptor> UcxTransport::AddRegion(void* base, uint64_t le
                                                          void** allocated) {
   RegionDescriptor d;
   absl::Status s = CallAndWait([&](std::function<void(absl::Status)> reply) {
+    worker_mu_.AssertHeld();  // on the progress thread, as every CallAndWait task
     auto mr = allocated != nullptr ? ucx::UcxMemRegion::Allocate(*context_, length)
                                    : ucx::UcxMemRegion::Map(*context_, base, length);
     if (!mr.ok()) return reply(mr.status());
@@ -642,6 +664,7 @@ absl::StatusOr<RegionDescriptor> UcxTransport::AddRegion(void* base, uint64_t le
 
 absl::Status UcxTransport::DeregisterRegion(uint64_t region_id) {
   return CallAndWait([this, region_id](std::function<void(absl::Status)> reply) {
+    worker_mu_.AssertHeld();  // on the progress thread, as every CallAndWait task
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second.closing) {
       return reply(absl::NotFoundError(absl::StrCat("region ", region_id, " is not registered")));
@@ -668,6 +691,7 @@ void UcxTransport::WriteAsync(const RegionDescriptor& dst, std::vector<WriteOp> 
                               std::function<void(absl::Status)> done) {
   if (options_.inline_writes && TryWriteInline(dst, ops, deadline, done)) return;
   Post([this, dst, ops = std::move(ops), deadline, done = std::move(done)]() mutable {
+    worker_mu_.AssertHeld();  // tasks run on the progress thread, under the lock
     StartBatch(dst, std::move(ops), deadline, std::move(done));
   });
 }
@@ -744,7 +768,10 @@ std::function<void()> UcxTransport::Settle(Batch* b) {
 
 void UcxTransport::ForgetPeer(const std::string& peer_address) {
   // The endpoint closes once batches still using it are done (Peer's destructor).
-  Post([this, peer_address] { peers_.erase(peer_address); });
+  Post([this, peer_address] {
+    worker_mu_.AssertHeld();  // tasks run on the progress thread, under the lock
+    peers_.erase(peer_address);
+  });
 }
 
 // ------------------------------------------------------------------------------------------
