@@ -47,9 +47,27 @@ absl::Status BlockPool::CheckHeld(int32_t block, const char* verb, const char* b
   } else {
     return absl::OkStatus();
   }
+  return Violation(std::move(st));
+}
+
+absl::Status BlockPool::Violation(absl::Status st) {
   ++violations_;
   last_violation_ = st;
   return st;
+}
+
+absl::Status BlockPool::CheckSoleHolder(std::span<const int32_t> blocks, const char* holder) {
+  absl::Status first;
+  for (int32_t b : blocks) {
+    absl::Status st = CheckHeld(b, "held", "block released under its holder");
+    if (st.ok() && refs_[b] != 1) {
+      st = Violation(absl::FailedPreconditionError(
+          absl::StrCat("KV block ", b, " of ", holder, " has ", refs_[b] - 1,
+                       " other reference(s): a block that must have one holder is in use")));
+    }
+    first.Update(st);
+  }
+  return first;
 }
 
 absl::Status BlockPool::Ref(int32_t block) {

@@ -6,7 +6,8 @@
 //
 // Invariants are checked in every build, not by asserts that release builds compile out: a
 // reference taken or dropped on a free block (a use after free, or a double free) or on an id
-// outside the pool changes nothing and returns a Status saying which; each one is counted
+// outside the pool, and a block that must have one holder (a quarantined one) found with more,
+// changes nothing and returns a Status saying which; each one is counted
 // (violations(), exported by the workers as tandem_kv_invariant_violations_total) and the last
 // kept (last_violation()). Such a call is a caller's bug; the pool stays consistent instead of
 // handing one block to two sequences.
@@ -56,6 +57,11 @@ class BlockPool {
   absl::Status Unref(int32_t block);
   // Drops one reference of each; the first violation, if any (every one is counted).
   absl::Status UnrefAll(std::span<const int32_t> blocks);
+  // For blocks one holder must own alone (decode's quarantine, where no sequence may read or
+  // write them): FAILED_PRECONDITION for each block someone else references too (a quarantined
+  // block in use), or that is free or outside the pool, each counted; the first comes back.
+  // Changes nothing.
+  absl::Status CheckSoleHolder(std::span<const int32_t> blocks, const char* holder);
   int32_t refcount(int32_t block) const {
     return block >= 0 && block < num_blocks() ? refs_[block] : 0;
   }
@@ -73,6 +79,7 @@ class BlockPool {
  private:
   // OK for a held block in the pool; otherwise the violation, counted and kept.
   absl::Status CheckHeld(int32_t block, const char* verb, const char* bug);
+  absl::Status Violation(absl::Status st);
 
   BlockReclaimer* reclaimer_ = nullptr;
   uint64_t violations_ = 0;

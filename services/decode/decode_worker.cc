@@ -290,11 +290,16 @@ void DecodeWorker::Quarantine(std::string request_id, std::vector<int32_t> block
   q.draft_blocks = std::move(draft_blocks);
   q.why = std::move(why);
   q.release = absl::Now() + o_.quarantine;
+  // A reservation's blocks are its own: shared ones would stay in use through the quarantine.
+  engine_->kv().pool().CheckSoleHolder(q.blocks, "a quarantine").IgnoreError();
   quarantine_.push_back(std::move(q));
 }
 
 void DecodeWorker::ReleaseQuarantine(absl::Time now) {
   while (!quarantine_.empty() && quarantine_.front().release <= now) {
+    // Nothing may have touched a quarantined block: one that gained a reference meanwhile was
+    // handed to a sequence (counted as a violation; the release below drops only ours).
+    engine_->kv().pool().CheckSoleHolder(quarantine_.front().blocks, "a quarantine").IgnoreError();
     FreeBlocks(quarantine_.front().blocks);
     FreeDraftBlocks(quarantine_.front().draft_blocks);
     quarantine_.pop_front();

@@ -77,6 +77,27 @@ TEST(BlockPoolTest, DoubleFreeUseAfterFreeAndBadIdsAreRefusedAndCounted) {
   EXPECT_FALSE(pool.Allocate().ok());
 }
 
+// A block that must have one holder (decode's quarantine) found with another reference is a
+// quarantined block in use: refused, counted, and nothing changes.
+TEST(BlockPoolTest, ASoleHolderCheckCountsSharedFreeAndBadBlocks) {
+  BlockPool pool(4);
+  const std::vector<int32_t> held = *pool.AllocateN(3);
+  EXPECT_TRUE(pool.CheckSoleHolder(held, "a quarantine").ok());
+  ASSERT_TRUE(pool.Ref(held[1]).ok());  // someone else takes a reference
+  const absl::Status shared = pool.CheckSoleHolder(held, "a quarantine");
+  EXPECT_EQ(shared.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(shared.message().find("1 other reference"), std::string::npos) << shared;
+  EXPECT_NE(shared.message().find("a quarantine"), std::string::npos) << shared;
+  EXPECT_EQ(pool.violations(), 1u);
+  EXPECT_EQ(pool.refcount(held[1]), 2) << "the check changes nothing";
+  const int32_t odd[] = {held[0], 3, 9};  // 3 is free, 9 is outside the pool
+  EXPECT_EQ(pool.CheckSoleHolder(odd, "a quarantine").code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool.violations(), 3u);
+  EXPECT_EQ(pool.last_violation().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool.num_free(), 1);
+}
+
 TEST(BlockHashTest, ChainsOverPrefixAndSalt) {
   std::vector<int32_t> a(40), b(40);
   for (int i = 0; i < 40; ++i) a[i] = b[i] = i * 7 + 1;
