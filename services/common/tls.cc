@@ -154,8 +154,18 @@ std::shared_ptr<grpc::ChannelCredentials> ProcessChannelCredentials() {
   return p.channel != nullptr ? p.channel : grpc::InsecureChannelCredentials();
 }
 
+void SetClientKeepalive(grpc::ChannelArguments& args) {
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, absl::ToInt64Milliseconds(kKeepaliveTime));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, absl::ToInt64Milliseconds(kKeepaliveTimeout));
+  // Pings only while calls are open, and as many as needed while a stream only receives (gRPC
+  // otherwise stops after two pings without sending data).
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+}
+
 std::shared_ptr<grpc::Channel> CreateClientChannel(const std::string& target,
                                                    grpc::ChannelArguments args) {
+  SetClientKeepalive(args);
   std::string name;
   {
     Process& p = P();
@@ -171,6 +181,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateClientChannel(const std::st
                                                                    grpc::ChannelArguments args) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = MakeChannelCredentials(tls);
   if (!creds.ok()) return creds.status();
+  SetClientKeepalive(args);
   if (!tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
   return grpc::CreateCustomChannel(target, *creds, args);
 }

@@ -1,5 +1,6 @@
 // TLS and mutual TLS for every gRPC connection tandem makes: the servers of the router, the
-// workers and the kvstore, and the clients they (and the CLI) create.
+// workers and the kvstore, and the clients they (and the CLI) create; and those clients'
+// keepalive (below).
 //
 // One TlsOptions, filled from the same flags on every binary (AddTlsFlags):
 //   --tls-cert FILE  --tls-key FILE   this process's certificate chain and key (PEM). A server
@@ -33,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -79,8 +81,22 @@ TlsOptions ProcessTls();
 std::shared_ptr<grpc::ServerCredentials> ProcessServerCredentials();
 std::shared_ptr<grpc::ChannelCredentials> ProcessChannelCredentials();
 
-// A channel to `target` with the process's credentials; `args` gains the server-name override
-// when one is set.
+// Keepalive on every tandem connection, both ends: a silent network partition (packets dropped,
+// no RST, no FIN) would otherwise leave a stream waiting until TCP gives up, many minutes later.
+// While calls are open each side pings every kKeepaliveTime and fails the connection's calls
+// (UNAVAILABLE on a client, a cancelled ServerContext on a server) when no ack comes back
+// within kKeepaliveTimeout: the router then migrates the streams a decode worker can no longer
+// deliver, and the decode worker frees the sequences whose router it cannot reach. Servers accept
+// a ping every second, with or without data, so a quiet stream is never answered "too many
+// pings" (GOAWAY).
+inline constexpr absl::Duration kKeepaliveTime = absl::Seconds(5);
+inline constexpr absl::Duration kKeepaliveTimeout = absl::Seconds(5);
+// The client side of the above; CreateClientChannel applies it to every channel (GrpcServer
+// applies the server side, grpc_server.cc).
+void SetClientKeepalive(grpc::ChannelArguments& args);
+
+// A channel to `target` with the process's credentials and the keepalive above; `args` gains
+// the server-name override when one is set.
 std::shared_ptr<grpc::Channel> CreateClientChannel(const std::string& target,
                                                    grpc::ChannelArguments args = {});
 // The same with explicit options (tests, tools that talk to several clusters).
