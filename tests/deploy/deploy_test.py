@@ -2,7 +2,8 @@
 """The Helm chart as deployed: its rendered pods run by the pod harness (pod_harness.py), one
 network namespace a pod, the real model from ../shared/models. CTest label `deploy`.
 
-  deploy_test.py --repo DIR --bin DIR --scenario serve|scale|faults|variants|render [--keep DIR]
+  deploy_test.py --repo DIR --bin DIR --scenario serve|scale|faults|partitions|variants|render
+                [--keep DIR]
 
 serve   router 2, prefill 2, decode 2, kvstore 1 with the chart's default values (plus the real
         model on a hostPath): every pod passes its own readiness probe; greedy text through the
@@ -19,6 +20,13 @@ faults  SIGKILL a decode pod mid-stream (streams complete by migration, tokens i
         the kvstore pod (serving continues on the miss path; after its restart on the same claim,
         its SSD-tier blocks are served again); after each, every worker's KV blocks are back to
         their baseline.
+partitions  silent network faults, each ending with every stream equal to the reference (no
+        token lost or repeated) and every worker's KV blocks back to baseline, with its recovery
+        time printed: a prefill pod cut off from both decode pods (its KV writes are lost on the
+        wire; requests complete through the other prefill pod, and its KV flows again once
+        healed); a decode pod cut off from the router pods mid-stream, both ways and one way
+        (keepalive fails the streams, which migrate; the pod registers again once healed); a
+        decode pod's link narrowed to 256 kbit/s (tc tbf) while streams run on it.
 variants  the chart's other branches run: mTLS between every process, API keys, a DaemonSet
         kvstore on a hostPath, KV-aware routing, an f16 KV cache, the router's recommendation
         flags; text through the router equals `tandem generate --kv-type f16`.
@@ -570,6 +578,159 @@ def scenario_faults(env):
         check(not h.leftovers(), "the harness removed everything it made")
 
 
+def read_progress(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def wait_resumed(path, victim, stalled, timeout=60):
+    """Seconds until every stream that was on `victim` and unfinished in `stalled` (a progress
+    snapshot) has finished or made progress on another decode pod."""
+    t0 = time.time()
+    want = {i: s["seen"] for i, s in enumerate(stalled)
+            if s["decode_worker"] == victim and not s["done"]}
+    while time.time() < t0 + timeout:
+        try:
+            prog = read_progress(path)
+            if all(prog[i]["done"] or (prog[i]["decode_worker"] != victim and
+                                       prog[i]["seen"] > seen) for i, seen in want.items()):
+                return time.time() - t0
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def scenario_partitions(env):
+    ctx = 2048
+    h = env.harness("partitions")
+    values = env.values(**{
+        "config.ctxSize": ctx,
+        # A KV write that cannot reach its decode pod gives up after 3 s (the chart's 30 s is
+        # sized for real models' transfers), and the router moves the handoff on.
+        "prefill.maxTransferMs": 3000,
+        "decode.quarantineMs": 500,
+    })
+    try:
+        bring_up(h, env, env.render(values))
+        routers, prefills, decodes = h.pods_of("router"), h.pods_of("prefill"), h.pods_of("decode")
+        n, tokens = 6, ctx - 100
+        prompts = [f"Once upon a time, there was a little {x}"
+                   for x in ("girl", "dog", "cat", "boy", "bird", "fish")]
+        refs = {p: env.reference(p, tokens, ignore_eos=True, ctx=ctx) for p in prompts}
+        # Prompts of several KV blocks, for the handoff case.
+        short = [f"Story {i}. " + STORY for i in range(8)]
+        short_refs = {p: env.reference(p, 32) for p in short}
+
+        def streams_check(res, what, want=refs):
+            check_streams(res, want, f"{what}: every stream completed with exactly the reference "
+                          "tokens (none lost or repeated)")
+
+        # 1. A prefill pod cut off from every decode pod. Its UCX connections to them were made
+        # by the requests before; each KV write it starts now is lost on the wire until its
+        # deadline, the router passes over the decode pod it was for, and the request completes
+        # through the other prefill pod.
+        p0 = prefills[0]
+        streams_check(generate(h, env, short, 32, "pd-warm"), "before the partition", short_refs)
+        before = worker_stats(h)
+        for d in decodes:
+            h.cut(p0, d)
+        cut_at = time.time()
+        res = generate(h, env, short, 32, "pd-cut")
+        during = worker_stats(h)
+        for d in decodes:
+            h.heal(p0, d)
+        asked = (during[p0.name].get("prefix_cache_query_blocks", 0) -
+                 before[p0.name].get("prefix_cache_query_blocks", 0))
+        via = sorted({g["prefill_worker"] for g in res})
+        check(asked > 0 and p0.name not in via,
+              f"{p0.name}, cut off from the decode pods, was asked to prefill ({asked} prompt "
+              f"blocks looked up) and no request completed through it (prefilled by {via})")
+        streams_check(res, f"{p0.name} partitioned from both decode pods", short_refs)
+        print(f"figure: prefill-decode partition: every request done "
+              f"{max(g['end'] for g in res) - cut_at:.1f} s after the cut (KV write deadline 3 s)")
+        check_baseline(h, "prefill-decode partition")
+        # Healed, its KV reaches the decode pods again: within a few rounds of requests one
+        # completes through it.
+        healed, through = time.time(), []
+        for i in range(5):
+            res = generate(h, env, short, 32, f"pd-healed-{i}")
+            streams_check(res, f"after the heal, round {i + 1}", short_refs)
+            through = [g for g in res if g["prefill_worker"] == p0.name and g["code"] == 0]
+            if through:
+                break
+        check(through, f"after the heal {len(through)} requests completed through {p0.name} "
+              f"within {time.time() - healed:.1f} s")
+        check_baseline(h, "prefill-decode partition healed")
+
+        # 2, 3. A decode pod cut off from the router pods mid-stream, both ways and then one way
+        # (its packets to them lost, theirs to it delivered). Keepalive fails the streams on
+        # both ends: the routers migrate them, the decode pod frees their KV; once healed the
+        # pod registers again.
+        for case, both in (("router-decode", True), ("decode-to-router one-way", False)):
+            tag = "rd" if both else "oneway"
+            prog_path = os.path.join(env.work, f"{tag}.progress")
+            proc, out = generate(h, env, prompts, tokens, tag, ignore_eos=True,
+                                 progress=prog_path, background=True)
+            prog = wait_progress(prog_path, n)
+            counts = {}
+            for s in prog:
+                if not s["done"]:
+                    counts[s["decode_worker"]] = counts.get(s["decode_worker"], 0) + 1
+            victim = next(p for p in decodes if p.name == max(counts, key=counts.get))
+            for r in routers:
+                h.cut(victim, r, both_ways=both)
+            cut_at = time.time()
+            resumed = wait_resumed(prog_path, victim.name, read_progress(prog_path))
+            proc.wait(timeout=120)
+            for r in routers:
+                h.heal(victim, r)
+            with open(out) as f:
+                res = json.load(f)
+            streams_check(res, f"{case} partition with {counts[victim.name]} of {n} streams on "
+                          f"{victim.name}")
+            hit = [g for g in res if victim.name in g["decode_workers"] and g["end"] > cut_at]
+            moved = [g for g in hit if g["decode_workers"][-1] != victim.name]
+            check(hit and len(moved) == len(hit),
+                  f"{case}: {len(moved)} of the {len(hit)} streams cut off on {victim.name} "
+                  "migrated to the other decode pod")
+            check(resumed is not None, f"{case}: the cut-off streams resumed")
+            print(f"figure: {case} partition: the cut-off streams resumed {resumed or -1:.1f} s "
+                  f"after the cut (keepalive: a ping every 5 s, 5 s for its ack)")
+            h.wait("the cut-off decode pod registered again with every router",
+                   lambda: all(victim.name in workers(h, r) for r in routers), 30)
+            check_baseline(h, f"{case} partition")
+
+        # 4. A narrow link: one decode pod's link at 256 kbit/s both ways while streams run on
+        # it and new KV arrives through it. Its streams take longer (each token is a message of
+        # its own); none fails, and none loses or repeats a token.
+        victim = decodes[0]
+        want = {p: env.reference(p, 400, ignore_eos=True) for p in prompts}
+
+        def on_victim(res):
+            return max((g["end"] - g["start"] for g in res if victim.name in g["decode_workers"]),
+                       default=0)
+
+        wide = generate(h, env, prompts, 400, "wide", ignore_eos=True)
+        streams_check(wide, "at full speed", want)
+        h.shape(victim, "256kbit")
+        try:
+            narrow = generate(h, env, prompts, 400, "narrow", ignore_eos=True)
+        finally:
+            h.shape(victim, None)
+        streams_check(narrow, f"{victim.name}'s link at 256 kbit/s", want)
+        on = sum(victim.name in g["decode_workers"] for g in narrow)
+        check(on > 0 and on_victim(narrow) > 2 * on_victim(wide),
+              f"{on} of the {n} streams ran on the narrowed pod and took "
+              f"{on_victim(narrow):.1f} s, against {on_victim(wide):.1f} s at full speed")
+        print(f"figure: slow link: the streams on {victim.name} took {on_victim(narrow):.1f} s "
+              f"with its link at 256 kbit/s, {on_victim(wide):.1f} s at full speed")
+        check_baseline(h, "slow link")
+    finally:
+        h.close()
+        check(not h.leftovers(), "the harness removed everything it made")
+
+
 # ------------------------------------------------------------------------------------------
 def make_pki(d, name):
     """A CA and one certificate for `name`, good for servers and clients (the chart mounts one
@@ -701,7 +862,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repo", required=True)
     ap.add_argument("--bin", required=True)
-    ap.add_argument("--scenario", required=True, choices=["serve", "scale", "faults", "variants", "render"])
+    ap.add_argument("--scenario", required=True, choices=["serve", "scale", "faults", "partitions", "variants",
+                                                     "render"])
     ap.add_argument("--keep", help="work folder to keep (logs of every pod)")
     args = ap.parse_args()
     env = Env(args)
@@ -719,7 +881,8 @@ def main():
     t0 = time.time()
     try:
         {"serve": scenario_serve, "scale": scenario_scale, "faults": scenario_faults,
-         "variants": scenario_variants, "render": scenario_render}[args.scenario](env)
+         "partitions": scenario_partitions, "variants": scenario_variants,
+         "render": scenario_render}[args.scenario](env)
     except Exception as e:  # a harness error is a failed check with its logs
         import traceback
         traceback.print_exc()

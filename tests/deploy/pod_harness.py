@@ -32,7 +32,8 @@ on, so this module plays their parts for the objects the chart renders:
 - scaling re-renders the chart and reconciles: new pods start at once; a removed pod leaves its
   Services' endpoints, runs its preStop hook, gets SIGTERM, and SIGKILL when its
   terminationGracePeriodSeconds run out;
-- faults: SIGKILL a pod, take its link down and up.
+- faults: SIGKILL a pod, take its link down and up, partition two pods silently (one way or
+  both), narrow a pod's link (tc tbf).
 
 Everything the harness makes (namespaces, veths, the bridge, /etc/netns folders, mount point
 folders, processes) is removed by close(), after a failure too (also on SIGTERM/SIGINT and at
@@ -57,6 +58,8 @@ import yaml
 
 STATE_DIR = "/run/tandem-deploy"
 SUBNET = "10.244"
+# A locally administered MAC that no veth of a harness has (cut() sends frames there).
+UNUSED_MAC = "02:00:5e:00:de:ad"
 # A pod probe or exec waits at most this long for `ip netns exec` to start the command.
 EXEC_SLACK_S = 2.0
 
@@ -899,6 +902,34 @@ class PodHarness:
     def link(self, pod, up):
         pod.event(f"fault: link {'up' if up else 'down'}")
         _run(["ip", "-n", self.switch, "link", "set", pod.veth, "up" if up else "down"])
+
+    def cut(self, a, b, both_ways=True):
+        """A silent partition between pods a and b: a's packets to b are dropped (and b's to a,
+        both_ways), with no RST and no ICMP, as when a link between two nodes fails, while each
+        pod keeps its other links. a's neighbour entry for b's IP points at a MAC no port has;
+        the bridge floods those frames and no pod takes them. heal() undoes it."""
+        for x, y in [(a, b), (b, a)] if both_ways else [(a, b)]:
+            x.event(f"fault: packets to {y.name} dropped")
+            _run(["ip", "-n", x.netns, "neigh", "replace", y.ip, "lladdr", UNUSED_MAC, "nud",
+                  "permanent", "dev", "eth0"])
+
+    def heal(self, a, b):
+        """Undoes cut(a, b) in both directions (a no-op for a direction that was not cut)."""
+        for x, y in [(a, b), (b, a)]:
+            x.event(f"fault: packets to {y.name} delivered again")
+            _run(["ip", "-n", x.netns, "neigh", "del", y.ip, "dev", "eth0"], check=False)
+
+    def shape(self, pod, rate):
+        """The pod's link limited to `rate` (tc's units, e.g. "2mbit") each way by a token
+        bucket filter, or restored with rate=None. netem is not available on these machines, so
+        a slow link is a narrow one; its queue holds 200 ms of traffic."""
+        pod.event(f"fault: link {'shaped to ' + rate if rate else 'unshaped'}")
+        for ns, dev in ((self.switch, pod.veth), (pod.netns, "eth0")):
+            if rate:
+                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                      "burst", "16kb", "latency", "200ms"])
+            else:
+                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
 
     def client(self, argv, timeout=120, check=True):
         """Runs argv in the client namespace (resolving Services like a pod)."""
