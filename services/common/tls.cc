@@ -163,9 +163,21 @@ void SetClientKeepalive(grpc::ChannelArguments& args) {
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
 }
 
+// Every channel CreateClientChannel makes: keepalive (tls.h), and name resolution asked for
+// again at most once a second when connections fail (gRPC's default is 30 s). A Service's pod
+// that comes back on a new IP (the kvstore's StatefulSet pod, a router) is then found about a
+// second after its name resolves again, even when the first retry came while the name
+// resolved to nothing (the pod gone, its successor not yet ready).
+namespace {
+void SetClientConnectionArgs(grpc::ChannelArguments& args) {
+  SetClientKeepalive(args);
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);
+}
+}  // namespace
+
 std::shared_ptr<grpc::Channel> CreateClientChannel(const std::string& target,
                                                    grpc::ChannelArguments args) {
-  SetClientKeepalive(args);
+  SetClientConnectionArgs(args);
   std::string name;
   {
     Process& p = P();
@@ -181,7 +193,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateClientChannel(const std::st
                                                                    grpc::ChannelArguments args) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = MakeChannelCredentials(tls);
   if (!creds.ok()) return creds.status();
-  SetClientKeepalive(args);
+  SetClientConnectionArgs(args);
   if (!tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
   return grpc::CreateCustomChannel(target, *creds, args);
 }
