@@ -52,8 +52,8 @@ uint64_t HashOf(int writer, uint64_t i) {
 }
 
 std::unique_ptr<v1::KvStore::Stub> Dial(int port) {
-  return v1::KvStore::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                                  grpc::InsecureChannelCredentials()));
+  return v1::KvStore::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
 }
 
 void Deadline(grpc::ClientContext* c, absl::Duration d) {
@@ -99,15 +99,15 @@ v1::KvTierStats SsdStats(v1::KvStore::Stub* stub) {
 }
 
 TEST(SsdCrashTest, KilledMidWriteRestartsWithItsIndexAndServesNoDamagedBlock) {
-  const std::string root = (fs::temp_directory_path() /
-                            ("tandem-ssd-crash-" + std::to_string(getpid()))).string();
+  const std::string root =
+      (fs::temp_directory_path() / ("tandem-ssd-crash-" + std::to_string(getpid()))).string();
   fs::remove_all(root);
   const std::string ssd = root + "/ssd";
   fs::create_directories(ssd);
   const auto flags = [&](const std::string& port_file) {
-    return std::vector<std::string>{"--port", "0", "--dir", ssd, "--device-mb", "0",
-                                    "--host-mb", "1", "--ssd-mb", "256", "--block-kb", "64",
-                                    "--ssd-min-hits", "0", "--port-file", port_file};
+    return std::vector<std::string>{
+        "--port",   "0",   "--dir",      ssd,  "--device-mb",    "0", "--host-mb",   "1",
+        "--ssd-mb", "256", "--block-kb", "64", "--ssd-min-hits", "0", "--port-file", port_file};
   };
 
   // 1. Writes, then SIGKILL while they go on.
@@ -213,9 +213,10 @@ TEST(SsdCrashTest, KilledMidWriteRestartsWithItsIndexAndServesNoDamagedBlock) {
   EXPECT_EQ(served, static_cast<int>(at_kill.blocks.size()) - 2);
   EXPECT_FALSE(fs::exists(FileOf(ssd, flipped))) << "a block that failed its checksum is deleted";
   EXPECT_GE(SsdStats(stub.get()).integrity_failures(), 2);
-  std::printf("restart: %zu blocks indexed, %d served byte for byte, torn file and %d temporary "
-              "file(s) discarded, 1 damaged block refused; recovery_ms=%.0f\n",
-              at_kill.blocks.size() - 1, served, at_kill.temporaries + 1, recovery_ms);
+  std::printf(
+      "restart: %zu blocks indexed, %d served byte for byte, torn file and %d temporary "
+      "file(s) discarded, 1 damaged block refused; recovery_ms=%.0f\n",
+      at_kill.blocks.size() - 1, served, at_kill.temporaries + 1, recovery_ms);
   EXPECT_EQ(store.Stop(), 0) << store.Log();
   fs::remove_all(root);
 }

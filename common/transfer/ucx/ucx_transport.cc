@@ -350,28 +350,35 @@ class UcxTransport final : public KvTransport {
   std::function<void()> Settle(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   absl::Status IssuePuts(Batch* b, const RegionDescriptor& dst, const std::vector<WriteOp>& ops)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  absl::Status IssueMessages(Batch* b, const RegionDescriptor& dst,
-                             const std::vector<WriteOp>& ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  bool Track(Batch* b, ucs_status_ptr_t req, std::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  absl::Status IssueMessages(Batch* b, const RegionDescriptor& dst, const std::vector<WriteOp>& ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  bool Track(Batch* b, ucs_status_ptr_t req, std::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   void Fail(Batch* b, absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   void MaybeFinish(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  absl::StatusOr<std::shared_ptr<Peer>> GetPeer(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  absl::StatusOr<std::shared_ptr<Peer>> GetPeer(const std::string& address)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   absl::StatusOr<RemoteRegion*> GetRemoteRegion(Peer& peer, const RegionDescriptor& dst)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   absl::StatusOr<RegionDescriptor> AddRegion(void* base, uint64_t length, void** allocated);
-  void DropPeer(const std::shared_ptr<Peer>& peer, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  void CloseEndpoint(std::unique_ptr<ucx::UcxEndpoint> ep, bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  void FinishDeregister(uint64_t region_id, absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void DropPeer(const std::shared_ptr<Peer>& peer, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void CloseEndpoint(std::unique_ptr<ucx::UcxEndpoint> ep, bool force)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void FinishDeregister(uint64_t region_id, absl::Status s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
 
   // UCX calls these from inside ucp_worker_progress and other UCP calls, which run under
   // worker_mu_ (the static trampolines below say so to the analysis).
   ucs_status_t OnAmWrite(const void* header, size_t header_length, void* data, size_t length,
-                         const ucp_am_recv_param_t* param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+                         const ucp_am_recv_param_t* param)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   ucs_status_t OnAmAck(const void* header, size_t header_length, void* data, size_t length,
                        const ucp_am_recv_param_t* param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   void OnRecvDone(RecvContext* ctx, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   void MaybeAck(const InboundKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
-  void OnRequestDone(Batch* b, void* request, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
+  void OnRequestDone(Batch* b, void* request, ucs_status_t st)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
   void OnEndpointError(ucp_ep_h ep, ucs_status_t st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_);
 
   static void SendDoneCb(void* request, ucs_status_t st, void* user_data) {
@@ -450,9 +457,11 @@ class UcxTransport final : public KvTransport {
   absl::flat_hash_map<ucp_ep_h, Peer*> peer_by_ep_ ABSL_GUARDED_BY(worker_mu_);
   absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_ ABSL_GUARDED_BY(worker_mu_);
   uint64_t next_batch_id_ ABSL_GUARDED_BY(worker_mu_) = 1;
-  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(worker_mu_);    // batches whose callback may be due
-  std::vector<ucp_ep_h> failed_eps_ ABSL_GUARDED_BY(worker_mu_);  // from the error handler, handled after progress
-  std::vector<uint64_t> drained_ ABSL_GUARDED_BY(worker_mu_);     // closing regions whose last receive completed
+  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(worker_mu_);  // batches whose callback may be due
+  // Reported by the error handler, handled after progress.
+  std::vector<ucp_ep_h> failed_eps_ ABSL_GUARDED_BY(worker_mu_);
+  // Closing regions whose last receive completed.
+  std::vector<uint64_t> drained_ ABSL_GUARDED_BY(worker_mu_);
   absl::flat_hash_map<InboundKey, Inbound> inbound_ ABSL_GUARDED_BY(worker_mu_);
   std::vector<void*> closing_ ABSL_GUARDED_BY(worker_mu_);  // endpoint close requests
   int inflight_ ABSL_GUARDED_BY(worker_mu_) = 0;            // outstanding UCP requests of all kinds
