@@ -414,6 +414,16 @@ def wait_progress(path, n, timeout=60):
     raise TimeoutError("the streams did not start")
 
 
+def busiest_decode(h, prog):
+    """The decode pod running the most unfinished streams of a progress snapshot, and how many."""
+    counts = {}
+    for s in prog:
+        if not s["done"]:
+            counts[s["decode_worker"]] = counts.get(s["decode_worker"], 0) + 1
+    name = max(counts, key=counts.get)
+    return next(p for p in h.pods_of("decode") if p.name == name), counts[name]
+
+
 def scenario_faults(env):
     ctx = 2048
     h = env.harness("faults")
@@ -443,19 +453,14 @@ def scenario_faults(env):
         prog_path = os.path.join(env.work, "kill-decode.progress")
         proc, out = generate(h, env, prompts, tokens, "kill-decode", ignore_eos=True,
                              progress=prog_path, background=True)
-        prog = wait_progress(prog_path, n)
-        counts = {}
-        for s in prog:
-            if not s["done"]:
-                counts[s["decode_worker"]] = counts.get(s["decode_worker"], 0) + 1
-        victim_name = max(counts, key=counts.get)
-        victim = next(p for p in h.pods_of("decode") if p.name == victim_name)
+        victim, on_victim = busiest_decode(h, wait_progress(prog_path, n))
+        victim_name = victim.name
         h.sigkill(victim)
         killed = time.time()
         proc.wait(timeout=120)
         with open(out) as f:
             res = json.load(f)
-        streams_check(res, f"decode pod SIGKILLed with {counts[victim_name]} of {n} streams on it")
+        streams_check(res, f"decode pod SIGKILLed with {on_victim} of {n} streams on it")
         print(f"figure: the last stream ended {max(g['end'] for g in res) - killed:.1f} s "
               "after the decode pod's kill")
         # Streams still on the victim when it died must have moved to another decode pod.
@@ -517,19 +522,14 @@ def scenario_faults(env):
         prog_path = os.path.join(env.work, "link.progress")
         proc, out = generate(h, env, prompts, tokens, "link", ignore_eos=True, progress=prog_path,
                              background=True)
-        prog = wait_progress(prog_path, n)
-        counts = {}
-        for s in prog:
-            if not s["done"]:
-                counts[s["decode_worker"]] = counts.get(s["decode_worker"], 0) + 1
-        victim = next(p for p in h.pods_of("decode") if p.name == max(counts, key=counts.get))
+        victim, on_victim = busiest_decode(h, wait_progress(prog_path, n))
         h.link(victim, up=False)
         time.sleep(3)
         h.link(victim, up=True)
         proc.wait(timeout=120)
         with open(out) as f:
             res = json.load(f)
-        streams_check(res, f"{victim.name}'s link down 3 s with {max(counts.values())} streams on it")
+        streams_check(res, f"{victim.name}'s link down 3 s with {on_victim} streams on it")
         check_baseline(h, "link down")
 
         # 4. The kvstore pod SIGKILLed.
@@ -672,12 +672,7 @@ def scenario_partitions(env):
             prog_path = os.path.join(env.work, f"{tag}.progress")
             proc, out = generate(h, env, prompts, tokens, tag, ignore_eos=True,
                                  progress=prog_path, background=True)
-            prog = wait_progress(prog_path, n)
-            counts = {}
-            for s in prog:
-                if not s["done"]:
-                    counts[s["decode_worker"]] = counts.get(s["decode_worker"], 0) + 1
-            victim = next(p for p in decodes if p.name == max(counts, key=counts.get))
+            victim, on_victim = busiest_decode(h, wait_progress(prog_path, n))
             for r in routers:
                 h.cut(victim, r, both_ways=both)
             cut_at = time.time()
@@ -687,7 +682,7 @@ def scenario_partitions(env):
                 h.heal(victim, r)
             with open(out) as f:
                 res = json.load(f)
-            streams_check(res, f"{case} partition with {counts[victim.name]} of {n} streams on "
+            streams_check(res, f"{case} partition with {on_victim} of {n} streams on "
                           f"{victim.name}")
             hit = [g for g in res if victim.name in g["decode_workers"] and g["end"] > cut_at]
             moved = [g for g in hit if g["decode_workers"][-1] != victim.name]
