@@ -6,8 +6,10 @@
 # first 5 minutes) and at the end (docs/perf/soak.md).
 #
 #   bench/soak/run.sh BUILD_DIR [MINUTES]
-#   env: MODEL (default ../shared/models/stories260K/stories260K.gguf), OUT (default a temp dir;
-#        kept: cluster logs, one bench JSON per minute, rss.csv, cancels.log)
+#   env: MODEL (default ../shared/models/stories260K/stories260K.gguf), POLICY (the router's,
+#        default kv-aware: the one that keeps a prefix index), OUT (default a temp dir; kept:
+#        cluster logs, one bench JSON per minute, rss.csv, index.csv, cancels.log), METRICS_PORT
+#        (the router's /metrics, default 19190: its prefix index size goes into index.csv)
 set -euo pipefail
 build=${1:?usage: bench/soak/run.sh BUILD_DIR [MINUTES]}
 minutes=${2:-30}
@@ -20,7 +22,8 @@ tandem="$bin/tandem"
 workload=(--workload shared-prefix --prefix-len 192 --input-len 48 --output-len 96)
 
 "$tandem" cluster up --model "$model" --dir "$out/cluster" --prefill 1 --decode 1 --kvstore 1 \
-  --threads 1 >"$out/up.log" 2>&1
+  --threads 1 --policy "${POLICY:-kv-aware}" --router-arg="--metrics-port=${METRICS_PORT:-19190}" \
+  >"$out/up.log" 2>&1
 trap '"$tandem" cluster down --dir "$out/cluster" >/dev/null 2>&1 || true; kill $(jobs -p) 2>/dev/null || true' EXIT
 router=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["router"])' \
   "$out/cluster/cluster.json")
@@ -46,6 +49,9 @@ for p in json.load(open(sys.argv[1]))["processes"]: print(p["name"] + ":" + str(
       rss=$(ps -o rss= -p "${np#*:}" 2>/dev/null | tr -d ' ') || true
       echo "$(( $(date +%s) - t0 )),${np%%:*},${rss:-0}"
     done
+    idx=$(curl -s "http://127.0.0.1:${METRICS_PORT:-19190}/metrics" |
+      awk '/^tandem_prefix_index_blocks/ {print $2}') || true
+    echo "$(( $(date +%s) - t0 )),${idx:-0}" >>"$out/index.csv"
     sleep 10
   done
 ) >"$out/rss.csv" &
@@ -94,6 +100,12 @@ for name, xs in sorted(rss.items()):
     warm = next((v for t, v in xs if t >= 300), xs[0][1])
     end = xs[-1][1]
     print(f"| {name} | {warm / 1024:.1f} | {end / 1024:.1f} | {end / warm - 1:+.1%} |")
+idx = [tuple(map(float, l.split(","))) for l in open(f"{out}/index.csv")] \
+    if glob.glob(f"{out}/index.csv") else []
+if idx:
+    warm = next((v for t, v in idx if t >= 300), idx[0][1])
+    print(f"router prefix index: {warm:.0f} hashes after warm-up, {idx[-1][1]:.0f} at the end, "
+          f"{max(v for _, v in idx):.0f} at most")
 cancels = sum(1 for _ in open(f"{out}/cancels.log")) if glob.glob(f"{out}/cancels.log") else 0
 print(f"client hang-ups: {cancels}")
 PY

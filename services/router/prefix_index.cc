@@ -1,8 +1,10 @@
 #include "services/router/prefix_index.h"
 
+#include <algorithm>
+
 namespace tandem::router {
 
-PrefixIndex::PrefixIndex(PrefixIndexOptions o) : o_(o) {}
+PrefixIndex::PrefixIndex(PrefixIndexOptions o) : o_(o), capacity_(o.max_blocks) {}
 
 int PrefixIndex::FindSlotLocked(const std::string& worker_id) const {
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -29,12 +31,17 @@ PrefixIndex::Entry& PrefixIndex::TouchLocked(uint64_t hash) {
   auto [it, inserted] = blocks_.try_emplace(hash);
   if (!inserted) lru_.erase(it->second.lru);
   it->second.lru = lru_.insert(lru_.end(), hash);
-  while (blocks_.size() > o_.max_blocks && !lru_.empty()) {
+  EvictLocked();
+  return blocks_.at(hash);
+}
+
+void PrefixIndex::EvictLocked() {
+  // Never the newest entry: TouchLocked returns it (a capacity of 0 still keeps one).
+  while (blocks_.size() > std::max<size_t>(capacity_, 1)) {
     const uint64_t old = lru_.front();
     lru_.pop_front();
     blocks_.erase(old);
   }
-  return blocks_.at(hash);
 }
 
 void PrefixIndex::RecordWorker(const std::string& worker_id, std::span<const uint64_t> hashes) {
@@ -52,7 +59,28 @@ void PrefixIndex::RecordStore(std::span<const uint64_t> hashes) {
 void PrefixIndex::ForgetWorker(const std::string& worker_id) {
   absl::MutexLock l(&mu_);
   const int slot = FindSlotLocked(worker_id);
-  if (slot < 0) return;
+  if (slot >= 0) ForgetSlotLocked(slot);
+}
+
+void PrefixIndex::SetWorkers(std::span<const PrefixWorker> workers) {
+  absl::MutexLock l(&mu_);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].empty()) continue;
+    const bool listed = std::any_of(workers.begin(), workers.end(), [&](const PrefixWorker& w) {
+      return w.worker_id == slots_[i];
+    });
+    if (!listed) ForgetSlotLocked(static_cast<int>(i));
+  }
+  double blocks = 0;
+  for (const PrefixWorker& w : workers) blocks += static_cast<double>(std::max<int64_t>(0, w.kv_blocks));
+  const double want = blocks * o_.blocks_per_worker_block;
+  capacity_ = std::clamp(want >= static_cast<double>(o_.max_blocks) ? o_.max_blocks
+                                                                     : static_cast<size_t>(want),
+                         std::min(o_.min_blocks, o_.max_blocks), o_.max_blocks);
+  EvictLocked();
+}
+
+void PrefixIndex::ForgetSlotLocked(int slot) {
   const uint64_t mask = ~(uint64_t{1} << slot);
   for (auto it = blocks_.begin(); it != blocks_.end();) {
     it->second.workers &= mask;
@@ -121,6 +149,11 @@ int PrefixIndex::Choose(std::span<const PrefixCandidate> candidates,
 size_t PrefixIndex::size() const {
   absl::MutexLock l(&mu_);
   return blocks_.size();
+}
+
+size_t PrefixIndex::capacity() const {
+  absl::MutexLock l(&mu_);
+  return capacity_;
 }
 
 }  // namespace tandem::router

@@ -56,6 +56,13 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
                        .Register(metrics_->registry());
   recommended_prefill_ = &replicas.Add({{"model_name", model_name}, {"role", "prefill"}});
   recommended_decode_ = &replicas.Add({{"model_name", model_name}, {"role", "decode"}});
+  prefix_index_blocks_ =
+      &prometheus::BuildGauge()
+           .Name(absl::StrCat(services::kMetricPrefix, "prefix_index_blocks"))
+           .Help("Prompt block hashes the router's prefix index tracks (kv-aware policy), bounded "
+                 "by twice the prefill workers' KV blocks.")
+           .Register(metrics_->registry())
+           .Add({{"model_name", model_name}, {"role", "router"}});
   slo_rejected_ = &prometheus::BuildCounter()
                        .Name(absl::StrCat(services::kMetricPrefix, "slo_rejected_total"))
                        .Help("Requests refused for their time to first token target: at arrival "

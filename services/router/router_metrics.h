@@ -79,6 +79,9 @@ class RouterMetrics {
                const std::optional<sim::Costs>& costs = std::nullopt,
                const sim::Topology& shape = {});
 
+  // Hashes in the router's prefix index (tandem_prefix_index_blocks; kv-aware policy).
+  void SetPrefixIndexBlocks(size_t blocks) { prefix_index_blocks_->Set(static_cast<double>(blocks)); }
+
   // What the last Refresh computed (for tests and logs).
   Recommendation last_recommendation() const;
   AutoscaleInputs last_inputs() const;
@@ -94,6 +97,7 @@ class RouterMetrics {
   std::array<prometheus::Histogram*, kTtftStages.size()> stages_{};
   prometheus::Gauge* recommended_prefill_ = nullptr;
   prometheus::Gauge* recommended_decode_ = nullptr;
+  prometheus::Gauge* prefix_index_blocks_ = nullptr;
   prometheus::Family<prometheus::Counter>* slo_rejected_ = nullptr;
   const std::string model_name_;
   const AutoscaleOptions autoscale_;

@@ -155,6 +155,7 @@ void RouterServer::RefreshMetrics() {
   }
   router_metrics_->Refresh(admission_->running(), admission_->waiting(), prefill, decode, costs,
                            shape);
+  router_metrics_->SetPrefixIndexBlocks(inference_->prefix_index().size());
 }
 
 void RouterServer::SweepLoop() {
@@ -163,6 +164,15 @@ void RouterServer::SweepLoop() {
   while (!stop_.WaitForNotificationWithTimeout(period)) {
     for (const std::string& id : registry_->ExpireLeases()) {
       Logf("worker %s dropped: its lease expired without a heartbeat", id.c_str());
+    }
+    if (o_.policy == Policy::kKvAware) {
+      std::vector<PrefixWorker> prefill;
+      for (const v1::WorkerInfo& w : registry_->List()) {
+        if (w.role() == v1::WORKER_ROLE_PREFILL) {  // only the disaggregated path records
+          prefill.push_back({w.worker_id(), w.kv_blocks_total()});
+        }
+      }
+      inference_->SetPrefillWorkers(prefill);
     }
   }
 }

@@ -841,10 +841,14 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       call.Arg("code", static_cast<int>(gs.error_code()));
       if (gs.ok()) {
         c.prefill_worker = p.worker_id();
-        const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
-                                             pr.cached_block_hashes().size());
-        prefix_index_.RecordWorker(p.worker_id(), held);
-        if (pr.published_blocks() > 0 || pr.kvstore_tokens() > 0) prefix_index_.RecordStore(held);
+        if (o_.policy == Policy::kKvAware) {  // no other policy reads the index
+          const std::span<const uint64_t> held(pr.cached_block_hashes().data(),
+                                               pr.cached_block_hashes().size());
+          prefix_index_.RecordWorker(p.worker_id(), held);
+          if (pr.published_blocks() > 0 || pr.kvstore_tokens() > 0) {
+            prefix_index_.RecordStore(held);
+          }
+        }
         break;
       }
       const absl::Status st = Prefixed(services::FromGrpcStatus(gs),

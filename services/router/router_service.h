@@ -169,6 +169,10 @@ class InferenceService final
   void StartDraining() { draining_ = true; }
   int active() const { return active_.load(); }
   const PrefixIndex& prefix_index() const { return prefix_index_; }
+  // The registered prefill workers, for the prefix index (kv-aware policy; called every sweep).
+  void SetPrefillWorkers(std::span<const PrefixWorker> workers) {
+    prefix_index_.SetWorkers(workers);
+  }
   // Requests refused because their predicted TTFT was past their target (slo.h).
   uint64_t slo_rejected() const { return slo_rejected_.load(); }
   // The TTFT prediction for a request of `tokens` prompt tokens in class `priority`, now.

@@ -786,6 +786,12 @@ def scenario_variants(env):
         rec = [k for k in h.metrics(h.pods_of("router")[0], 9090)
                if k.startswith("tandem_recommended_replicas")]
         check(len(rec) >= 2, f"the router publishes recommended_replicas ({len(rec)} series)")
+        long = " ".join(PROMPTS)  # several full KV blocks (the others are shorter than one)
+        got = generate(h, env, [long, long], 4, "variants-long")
+        indexed = sum(v for r in h.pods_of("router") for k, v in h.metrics(r, 9090).items()
+                      if k.startswith("tandem_prefix_index_blocks"))
+        check(all(g["code"] == 0 for g in got) and indexed > 0,
+              f"the kv-aware routers indexed a long prompt's blocks ({indexed:.0f} hashes)")
         check(os.path.isdir(os.path.join(env.work, "node-ssd")) and
               os.stat(os.path.join(env.work, "node-ssd")).st_uid == 10001,
               "the DaemonSet's init container gave the hostPath SSD folder to the pod's user")

@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
   cu->add_flag("--pin", up.pin, "Pin each process to its own CPUs (round-robin)");
   cu->add_option("--transport", up.transport, "KV transport: ucx or inproc");
   cu->add_option("--ucx-tls", up.ucx_tls, "UCX transports: shm or tcp (or a UCX_TLS list)");
-  cu->add_option("--policy", up.policy, "Router worker selection: least-load or round-robin");
+  cu->add_option("--policy", up.policy, "Router worker selection: least-load, round-robin or kv-aware");
   cu->add_option("--lease-ms", up.lease_ms, "Router worker lease (0: default)");
   cu->add_option("--ctx-size", up.ctx_size, "Context per sequence (0: min(model's, 4096))");
   cu->add_option("--kv-blocks", up.kv_blocks, "Decode KV pool blocks (0: worker default)");

@@ -71,6 +71,56 @@ TEST(PrefixIndexTest, ForgetsTheLeastRecentlyRecordedPastItsCapacity) {
   EXPECT_EQ(idx.WorkerOverlap("p0", b), 3);
 }
 
+TEST(PrefixIndexTest, SetWorkersSizesTheIndexFromTheirKvPoolsAndForgetsTheDeparted) {
+  PrefixIndexOptions o;
+  o.min_blocks = 8;
+  o.max_blocks = 1000;
+  o.blocks_per_worker_block = 2.0;
+  PrefixIndex idx(o);
+  EXPECT_EQ(idx.capacity(), 1000u);  // unsized: max_blocks
+  const std::vector<uint64_t> a = Hashes(20, 5, 0), b = Hashes(20, 6, 0);
+  idx.RecordWorker("p0", a);
+  idx.RecordWorker("p1", b);
+  ASSERT_EQ(idx.size(), 40u);
+
+  // p0 has left (not listed): its entries go; p1's 6 blocks size the index to 12 hashes, the
+  // most recently recorded ones (b's tail).
+  const std::vector<PrefixWorker> w = {{"p1", 6}};
+  idx.SetWorkers(w);
+  EXPECT_EQ(idx.capacity(), 12u);
+  EXPECT_EQ(idx.size(), 12u);
+  EXPECT_EQ(idx.WorkerOverlap("p0", a), 0);
+  EXPECT_EQ(idx.WorkerOverlap("p1", b), 0);  // b[0..7] were the least recently recorded
+  EXPECT_EQ(idx.WorkerOverlap("p1", std::span(b).subspan(8)), 12);
+
+  // A steady stream of new prompts never grows it past the capacity.
+  for (uint32_t seed = 100; seed < 300; ++seed) {
+    idx.RecordWorker("p1", Hashes(3, seed, 0));
+    ASSERT_LE(idx.size(), 12u);
+  }
+  // Bounds: at least min_blocks, at most max_blocks; negative or no pools count as 0.
+  idx.SetWorkers({});
+  EXPECT_EQ(idx.capacity(), 8u);
+  EXPECT_EQ(idx.size(), 0u);  // p1 gone too, and nothing was store-held
+  const std::vector<PrefixWorker> big = {{"p2", 400}, {"p3", 300}, {"p4", -5}};
+  idx.SetWorkers(big);
+  EXPECT_EQ(idx.capacity(), 1000u);
+  // A departed worker's slot is reused by a new one, which starts with nothing.
+  idx.RecordWorker("p5", a);
+  EXPECT_EQ(idx.WorkerOverlap("p5", a), 20);
+  EXPECT_EQ(idx.WorkerOverlap("p0", a), 0);
+}
+
+TEST(PrefixIndexTest, StoreHeldBlocksOutliveTheWorkerThatRecordedThem) {
+  PrefixIndex idx;
+  const std::vector<uint64_t> h = Hashes(6, 7, 0);
+  idx.RecordWorker("p0", h);
+  idx.RecordStore(std::span(h).first(4));
+  idx.SetWorkers({});
+  EXPECT_EQ(idx.size(), 4u);
+  EXPECT_DOUBLE_EQ(idx.Score({"p9", 0}, h), 4 * 0.5);
+}
+
 v1::RegisterRequest Prefill(const std::string& id) {
   v1::RegisterRequest r;
   r.set_worker_id(id);
