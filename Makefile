@@ -4,7 +4,7 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 
-.PHONY: all setup configure build test demo fidelity fuzz-smoke thread-safety gpu-bundle gpu-check clean
+.PHONY: all setup configure build test demo fidelity fuzz-smoke thread-safety tsan gpu-bundle gpu-check clean
 
 all: build
 
@@ -33,6 +33,11 @@ fidelity: build
 # commands (syntax only; `make test` runs it too, as the thread_safety test).
 thread-safety: build
 	@python3 scripts/thread_safety.py $(BUILD) -j $(JOBS)
+
+# ThreadSanitizer: build-tsan/ (abseil from its Debian source package with TSan, then tandem)
+# and the unit, component and fault tests under it (README.md).
+tsan: setup
+	@scripts/tsan.sh
 
 # libFuzzer targets built with clang in build-fuzz/, ~20 s each (docs/fuzzing.md).
 fuzz-smoke:
