@@ -37,7 +37,10 @@ struct ResumeOnAnotherThread {
   std::thread* t;
   bool await_ready() const noexcept { return false; }
   void await_suspend(std::coroutine_handle<> h) {
-    *t = std::thread([h] { h.resume(); });
+    // The new thread may resume the task, end it and free this awaiter (it lives in the frame)
+    // before the thread object is assigned: read `t` first (ThreadSanitizer saw the late read).
+    std::thread* out = t;
+    *out = std::thread([h] { h.resume(); });
   }
   std::thread::id await_resume() const noexcept { return std::this_thread::get_id(); }
 };
@@ -68,6 +71,11 @@ TEST(TaskTest, ASpawnedTaskContinuesOnTheResumingThreadAndFreesItself) {
 Task<int> One() { co_return 1; }
 
 TEST(TaskTest, AMillionSequentialAwaitsRunInConstantStack) {
+#if defined(__SANITIZE_THREAD__)
+  // TSan's function-exit hook follows every call, so the tail call that symmetric transfer
+  // (await_suspend returning a handle) relies on is never made there: the stack grows per await.
+  GTEST_SKIP() << "constant stack needs tail calls, which a ThreadSanitizer build does not make";
+#endif
   long total = 0;
   Spawn([](long* total) -> Task<void> {
     for (int i = 0; i < 1'000'000; ++i) *total += co_await One();
