@@ -65,18 +65,20 @@ void PrefixIndex::ForgetWorker(const std::string& worker_id) {
 void PrefixIndex::SetWorkers(std::span<const PrefixWorker> workers) {
   absl::MutexLock l(&mu_);
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].empty()) continue;
-    const bool listed = std::any_of(workers.begin(), workers.end(), [&](const PrefixWorker& w) {
-      return w.worker_id == slots_[i];
-    });
+    const std::string& id = slots_[i];
+    if (id.empty()) continue;
+    const bool listed = std::any_of(workers.begin(), workers.end(),
+                                    [&id](const PrefixWorker& w) { return w.worker_id == id; });
     if (!listed) ForgetSlotLocked(static_cast<int>(i));
   }
   double blocks = 0;
-  for (const PrefixWorker& w : workers) blocks += static_cast<double>(std::max<int64_t>(0, w.kv_blocks));
+  for (const PrefixWorker& w : workers) {
+    blocks += static_cast<double>(std::max<int64_t>(0, w.kv_blocks));
+  }
   const double want = blocks * o_.blocks_per_worker_block;
-  capacity_ = std::clamp(want >= static_cast<double>(o_.max_blocks) ? o_.max_blocks
-                                                                     : static_cast<size_t>(want),
-                         std::min(o_.min_blocks, o_.max_blocks), o_.max_blocks);
+  capacity_ = std::clamp(
+      want >= static_cast<double>(o_.max_blocks) ? o_.max_blocks : static_cast<size_t>(want),
+      std::min(o_.min_blocks, o_.max_blocks), o_.max_blocks);
   EvictLocked();
 }
 

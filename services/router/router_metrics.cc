@@ -59,8 +59,9 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
   prefix_index_blocks_ =
       &prometheus::BuildGauge()
            .Name(absl::StrCat(services::kMetricPrefix, "prefix_index_blocks"))
-           .Help("Prompt block hashes the router's prefix index tracks (kv-aware policy), bounded "
-                 "by twice the prefill workers' KV blocks.")
+           .Help(
+               "Prompt block hashes the router's prefix index tracks (kv-aware policy), bounded "
+               "by twice the prefill workers' KV blocks.")
            .Register(metrics_->registry())
            .Add({{"model_name", model_name}, {"role", "router"}});
   slo_rejected_ = &prometheus::BuildCounter()

@@ -80,7 +80,9 @@ class RouterMetrics {
                const sim::Topology& shape = {});
 
   // Hashes in the router's prefix index (tandem_prefix_index_blocks; kv-aware policy).
-  void SetPrefixIndexBlocks(size_t blocks) { prefix_index_blocks_->Set(static_cast<double>(blocks)); }
+  void SetPrefixIndexBlocks(size_t blocks) {
+    prefix_index_blocks_->Set(static_cast<double>(blocks));
+  }
 
   // What the last Refresh computed (for tests and logs).
   Recommendation last_recommendation() const;
