@@ -11,6 +11,14 @@
 #include "services/router/plan.h"
 
 namespace tandem::router {
+namespace {
+
+// How often SweepLoop expires leases: four times a lease, at most every second.
+absl::Duration SweepPeriod(absl::Duration lease) {
+  return std::max(absl::Milliseconds(20), std::min(lease / 4, absl::Seconds(1)));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterOptions& o,
                                                                    const HttpFrontOptions& http) {
@@ -32,6 +40,8 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(const RouterO
   RegistryOptions ro;
   ro.lease = o.worker_lease;
   ro.policy = o.policy;
+  // SweepLoop ticks every SweepPeriod; two periods missed (and half a lease) is a stall.
+  ro.stall_after = std::max(o.worker_lease / 2, 2 * SweepPeriod(o.worker_lease));
   if (known != nullptr) {
     // Workers report general.name (or the architecture when the file has none). A model
     // learned from a card is checked by its hash instead (ModelHolder::Admit).
@@ -159,9 +169,13 @@ void RouterServer::RefreshMetrics() {
 }
 
 void RouterServer::SweepLoop() {
-  const absl::Duration period =
-      std::max(absl::Milliseconds(20), std::min(o_.worker_lease / 4, absl::Seconds(1)));
-  while (!stop_.WaitForNotificationWithTimeout(period)) {
+  while (!stop_.WaitForNotificationWithTimeout(SweepPeriod(o_.worker_lease))) {
+    // First the tick: after a stall of this process, leases are renewed before any expires.
+    if (const absl::Duration stall = registry_->Tick(); stall > absl::ZeroDuration()) {
+      Logf("the router itself was stalled for %.0f ms (no sweep ran): every worker that held a "
+           "lease then holds a fresh one, since its heartbeats could not be read",
+           absl::ToDoubleMilliseconds(stall));
+    }
     for (const std::string& id : registry_->ExpireLeases()) {
       Logf("worker %s dropped: its lease expired without a heartbeat", id.c_str());
     }

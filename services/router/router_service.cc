@@ -692,6 +692,7 @@ Task<absl::Status> InferenceService::Route(Call& c) {
   absl::Time retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
   absl::Duration backoff = absl::Milliseconds(10);
   int unavailable_rounds = 0;
+  absl::Time regroup_until = absl::InfiniteFuture();  // how long a moving stream waits for workers
   while (true) {
     absl::Status st;
     c.attempt_relayed = false;
@@ -718,6 +719,7 @@ Task<absl::Status> InferenceService::Route(Call& c) {
       retry_until = std::min(c.deadline, absl::Now() + o_.retry_budget);
       backoff = absl::Milliseconds(10);
       unavailable_rounds = 0;
+      regroup_until = absl::InfiniteFuture();
       continue;
     }
     if (c.retries_exhausted) co_return st;  // the prefill retry policy said fail
@@ -726,7 +728,15 @@ Task<absl::Status> InferenceService::Route(Call& c) {
     const bool full = st.code() == absl::StatusCode::kResourceExhausted;
     const bool gone = plan != PlanKind::kNone && st.code() == absl::StatusCode::kUnavailable &&
                       ++unavailable_rounds < 3;
-    if (!full && !gone) co_return st;
+    // No worker left to take it (none registered, or only those it already failed on): a fresh
+    // request fails now, but a stream that is moving (its client already has tokens) keeps
+    // trying for up to a lease, the time in which workers the router dropped register again.
+    const bool unavailable = st.code() == absl::StatusCode::kUnavailable;
+    if (unavailable && c.migrations > 0 && regroup_until == absl::InfiniteFuture()) {
+      regroup_until = absl::Now() + o_.worker_lease;
+    }
+    const bool regrouping = unavailable && c.migrations > 0 && absl::Now() < regroup_until;
+    if (!full && !gone && !regrouping) co_return st;
     if (absl::Now() + backoff >= retry_until) co_return st;
     for (absl::Time until = absl::Now() + backoff; absl::Now() < until;) {
       if (c.Cancelled()) co_return CancelledByClient();

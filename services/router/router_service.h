@@ -28,7 +28,9 @@
 // requests continue with exactly the tokens an unbroken run gives; seeded sampling continues
 // with a fresh random stream (the workers take no draw offset), so it stays a valid sample
 // but is not the unbroken run's. At most RouterOptions::max_migrations per request, each
-// counted in tandem_migrations_total.
+// counted in tandem_migrations_total. A moving stream that finds no worker to take it (none
+// registered, or only those it failed on) keeps trying for up to a worker lease, in which
+// dropped workers register again, instead of failing; a fresh request fails with UNAVAILABLE.
 //
 // Deadlines and cancellation: every outgoing call is created from the incoming ServerContext,
 // so gRPC propagates the client's deadline and cancellation to it; each also gets an explicit

@@ -103,7 +103,10 @@ void Assignment::EndBacklog() {
   backlog_ = -1;
 }
 
-WorkerRegistry::WorkerRegistry(RegistryOptions o) : o_(std::move(o)) {}
+WorkerRegistry::WorkerRegistry(RegistryOptions o) : o_(std::move(o)) {
+  absl::MutexLock lock(&mu_);
+  last_tick_ = Now();
+}
 
 absl::Status WorkerRegistry::Register(const v1::RegisterRequest& req) {
   if (req.worker_id().empty()) return absl::InvalidArgumentError("worker_id is empty");
@@ -146,7 +149,7 @@ bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& req) {
   if (it == workers_.end()) return false;
   Worker& w = it->second;
   const absl::Time now = Now();
-  if (now >= w.lease_expiry) {
+  if (!Leased(w, now)) {
     // Too late: the worker was already invisible to Pick. Forget it so it registers afresh.
     Erase(it);
     return false;
@@ -176,7 +179,7 @@ std::vector<std::string> WorkerRegistry::ExpireLeases() {
   const absl::Time now = Now();
   std::vector<std::string> gone;
   for (auto it = workers_.begin(); it != workers_.end();) {
-    if (now >= it->second.lease_expiry) {
+    if (!Leased(it->second, now)) {
       gone.push_back(it->first);
       it = Erase(it);
     } else {
@@ -186,8 +189,29 @@ std::vector<std::string> WorkerRegistry::ExpireLeases() {
   return gone;
 }
 
+absl::Duration WorkerRegistry::Tick() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  const absl::Duration gap = now - last_tick_;
+  absl::Duration stall = absl::ZeroDuration();
+  if (gap > o_.stall_after) {
+    // The heartbeats of the stall are still queued, or were refused by a deadline the worker
+    // set: a fresh lease for whoever held one when it began, as a heartbeat would give.
+    stall = gap;
+    for (auto& [id, w] : workers_) {
+      if (w.lease_expiry > last_tick_) w.lease_expiry = std::max(w.lease_expiry, now + o_.lease);
+    }
+  }
+  last_tick_ = now;
+  return stall;
+}
+
+bool WorkerRegistry::Leased(const Worker& w, absl::Time now) const {
+  return now < w.lease_expiry || (now - last_tick_ > o_.stall_after && w.lease_expiry > last_tick_);
+}
+
 bool WorkerRegistry::Eligible(const Worker& w, Pool pool, absl::Time now) const {
-  return !w.draining && now < w.lease_expiry && RoleInPool(w.reg.role(), pool);
+  return !w.draining && Leased(w, now) && RoleInPool(w.reg.role(), pool);
 }
 
 WorkerRegistry::PickKey WorkerRegistry::KeyOf(const Worker& w) const {
@@ -229,7 +253,7 @@ PlanKind WorkerRegistry::Plan() const {
   auto any = [&](Pool pool) {
     mu_.AssertReaderHeld();  // called right here, under the lock (the analysis cannot see it)
     for (const auto& [key, w] : index_[static_cast<int>(pool)]) {
-      if (now < w->lease_expiry) return true;
+      if (Leased(*w, now)) return true;
     }
     return false;
   };
@@ -246,7 +270,7 @@ Assignment WorkerRegistry::Pick(Pool pool, int64_t kv_blocks,
   const absl::Time now = Now();
   // The first worker in the pool's order that holds a lease and is not excluded.
   for (const auto& [key, w] : index_[static_cast<int>(pool)]) {
-    if (now >= w->lease_expiry || exclude.contains(w->reg.worker_id())) continue;
+    if (!Leased(*w, now) || exclude.contains(w->reg.worker_id())) continue;
     return AssignLocked(w, pool != Pool::kPrefill, kv_blocks);
   }
   return Assignment();

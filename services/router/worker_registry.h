@@ -56,6 +56,12 @@ struct RegistryOptions {
   // must report one of them, compared by file stem; an empty report is accepted.
   std::vector<std::string> model_names;
   std::function<absl::Time()> clock;  // default absl::Now
+  // The router's own stalls (a stopped, swapped or CPU-starved process). When set, the owner
+  // calls Tick() more often than this; a longer gap between two ticks is a stall, during which
+  // the router could read no heartbeat, so it judges no lease on it: a worker that held its
+  // lease at the last tick before the stall holds it until the tick after, which gives it a
+  // fresh one. Infinite (the default): no stall detection.
+  absl::Duration stall_after = absl::InfiniteDuration();
 };
 
 enum class Pool { kPrefill, kDecode, kColocated };
@@ -114,6 +120,10 @@ class WorkerRegistry {
   bool Deregister(const std::string& worker_id);
   // Removes workers whose lease has run out; returns their ids.
   std::vector<std::string> ExpireLeases();
+  // Records that the router runs (see RegistryOptions::stall_after). Returns the stall that
+  // ended with this tick (zero when there was none); the workers that held a lease when it
+  // began have a fresh lease now.
+  absl::Duration Tick();
 
   PlanKind Plan() const;
   // Chooses a worker of `pool` by the policy, skipping ids in `exclude`, and counts the request
@@ -173,6 +183,9 @@ class WorkerRegistry {
   using Index = std::set<std::pair<PickKey, Worker*>, ByKey>;
   absl::Time Now() const { return o_.clock ? o_.clock() : absl::Now(); }
   bool Eligible(const Worker& w, Pool pool, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Holds its lease at `now`: before its expiry, or, while the router is stalled (no Tick for
+  // longer than stall_after), if it held it at the last tick.
+  bool Leased(const Worker& w, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Unassign(const std::string& id, uint64_t generation);
   void AddBacklog(const std::string& id, uint64_t generation, int64_t tokens, int32_t requests);
   Assignment AssignLocked(Worker* w, bool kv_pool, int64_t kv_blocks)
@@ -193,6 +206,7 @@ class WorkerRegistry {
   // lease ran out stay until ExpireLeases or a late heartbeat; Pick passes over them.
   std::array<Index, 3> index_ ABSL_GUARDED_BY(mu_);
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Time last_tick_ ABSL_GUARDED_BY(mu_);
   uint64_t pick_seq_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

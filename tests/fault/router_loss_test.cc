@@ -7,6 +7,9 @@
 // - A router SIGKILLed while a stream runs through it: the client sees UNAVAILABLE promptly
 //   (no hang), the decode and prefill workers free the request's KV (back to their idle
 //   baseline), and the retry through the other router succeeds with the reference text.
+// - A router stopped (SIGSTOP) for longer than a worker lease while a stream runs through it:
+//   when it runs again it keeps both workers (it logs its own stall instead of dropping them),
+//   the stream ends with the reference tokens, and new requests are served at once.
 // Skips without ../shared/models.
 #include <signal.h>
 
@@ -18,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/shell_util.h"
 #include "tests/fault/fault_cluster.h"
 #include "tools/tandem/cluster.h"
 
@@ -156,6 +160,50 @@ TEST(RouterLossTest, LosingARouterLosesOnlyItsOwnStreams) {
   ASSERT_TRUE(retry.status.ok()) << retry.status.error_message();
   EXPECT_EQ(retry.tokens, ref.tokens);
   EXPECT_EQ(WorkerIds(cluster), (std::vector<std::string>{"decode-0", "prefill-0"}));
+}
+
+TEST(RouterLossTest, ARouterThatWasStoppedKeepsItsWorkersAndItsStream) {
+  if (!HaveModel()) GTEST_SKIP() << "no " << FaultModelPath();
+  FaultClusterOptions o;
+  o.name = "routerstall";
+  o.lease_ms = 2000;
+  FaultCluster cluster(o);
+  ASSERT_TRUE(cluster.Start().ok());
+  const Completion ref = GreedyReference("Once upon a time", 96);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+
+  grpc::ClientContext cc;
+  cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  auto reader = cluster.inference().Generate(&cc, GreedyRequest("Once upon a time", 96));
+  v1::GenerateResponse m;
+  std::vector<int32_t> tokens;
+  while (tokens.size() < 8 && reader->Read(&m)) {
+    tokens.insert(tokens.end(), m.token_ids().begin(), m.token_ids().end());
+  }
+  ASSERT_GE(tokens.size(), 8u);
+  // Stopped for 1.75 leases: every lease would have run out by the time it runs again, and
+  // the workers' heartbeats of that time failed on their deadline.
+  const pid_t router = cluster.pid("router");
+  ASSERT_EQ(kill(router, SIGSTOP), 0);
+  absl::SleepFor(absl::Milliseconds(3500));
+  ASSERT_EQ(kill(router, SIGCONT), 0);
+  const absl::Time resumed = absl::Now();
+  while (reader->Read(&m)) tokens.insert(tokens.end(), m.token_ids().begin(), m.token_ids().end());
+  const grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(tokens, ref.tokens);
+
+  // A request right after is served (no gap while workers register again) ...
+  const Completion next = cluster.Generate(GreedyRequest("Once upon a time", 16));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  std::printf("router_stall: next request %.0f ms after the router ran again\n",
+              absl::ToDoubleMilliseconds(absl::Now() - resumed));
+  // ... and a sweep later, the router has logged its stall and dropped nobody.
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ(WorkerIds(cluster), (std::vector<std::string>{"decode-0", "prefill-0"}));
+  const std::string log = Slurp(cluster.dir() / "router.log");
+  EXPECT_NE(log.find("the router itself was stalled for"), std::string::npos) << log;
+  EXPECT_EQ(log.find("lease expired without a heartbeat"), std::string::npos) << log;
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 //   (re-prefills prompt + tokens sent on a healthy pair and continues the stream), and every
 //   request completes with exactly the tokens and text of a one-process greedy run
 //   (`tandem generate`), each migration counted in the router's tandem_migrations_total;
+// - the stream's decode worker dies while the only other one is dropped (stopped): the moving
+//   stream waits for it to register again and completes identically;
 // - a prefill worker dies while prefills run on it: the router releases their decode
 //   reservations and retries on the other prefill worker; every request completes identically.
 // - an expert rank of a decode group (--ep-size 2) dies mid-stream: its leader fails the steps
@@ -279,6 +281,63 @@ TEST_F(WorkerKillTest, SigkilledDecodeWorkerMidStreamEveryRequestCompletesIdenti
 
 TEST_F(WorkerKillTest, SigkilledSpeculativeDecodeWorkerMidStreamCompletesIdentically) {
   DecodeKillCase(/*speculative=*/true);
+}
+
+// The decode pool's only other worker was dropped by the router (it stopped answering) when the
+// stream's worker dies: the moving stream waits for it to register again instead of failing.
+TEST_F(WorkerKillTest, AMovingStreamWaitsForADroppedWorkerToRegisterAgain) {
+  constexpr int kTokens = 400;
+  const std::string prompt = "Once upon a time, there was a little girl";
+  const Reference ref = CliReference(prompt, kTokens);
+  ASSERT_TRUE(ref.ok) << ref.error;
+  FaultClusterOptions o;
+  o.name = "decode-regroup";
+  o.prefill = 1;
+  o.decode = 2;
+  o.ctx_size = kCtx;
+  o.lease_ms = 2000;
+  o.decode_args = {"--quarantine-ms", "500"};
+  FaultCluster cluster(o);
+  ASSERT_TRUE(cluster.Start().ok());
+  const auto registered = [&](const std::string& id) {
+    auto workers = cluster.Workers();
+    if (!workers.ok()) return false;
+    for (const v1::WorkerInfo& w : *workers) {
+      if (w.worker_id() == id) return true;
+    }
+    return false;
+  };
+  // decode-1 stops (SIGSTOP) until the router drops it; the stream then runs on decode-0.
+  ChildProcess* standby = cluster.process("decode-1");
+  ASSERT_NE(standby, nullptr);
+  standby->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitFor(absl::Seconds(10), [&] { return !registered("decode-1"); }));
+  Streams streams(cluster, {prompt}, kTokens);
+  ASSERT_TRUE(streams.WaitPast(20, absl::Seconds(30)));
+  ASSERT_FALSE(streams[0].done);
+  ASSERT_EQ(CurrentDecodeWorker(streams[0]), "decode-0");
+  // decode-0 dies: no decode worker is left to move the stream to. 600 ms later decode-1 runs
+  // again, finds it is unknown at its next heartbeat and registers again.
+  cluster.process("decode-0")->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  absl::SleepFor(absl::Milliseconds(600));
+  standby->Signal(SIGCONT);
+  streams.Join();
+  Stream& s = streams[0];
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  EXPECT_TRUE(s.finished);
+  EXPECT_EQ(s.tokens, ref.tokens);  // no gap, no duplicate
+  EXPECT_EQ(s.text, ref.text);
+  EXPECT_EQ(s.decode_workers.back(), "decode-1");
+  for (size_t m = 0; m < s.arrivals.size(); ++m) {
+    if (s.arrivals[m] > killed && s.decode_workers[m] == "decode-1") {
+      std::fprintf(stderr, "decode-0 SIGKILLed, decode-1 back after 600 ms: recovery_ms=%.0f\n",
+                   absl::ToDoubleMilliseconds(s.arrivals[m] - killed));
+      break;
+    }
+  }
+  std::string why;
+  EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(20), &why, {"prefill-0", "decode-1"})) << why;
 }
 
 TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksNothing) {

@@ -33,9 +33,11 @@ class FakeClock {
 
 class RegistryTest : public ::testing::Test {
  protected:
-  std::unique_ptr<WorkerRegistry> Make(Policy policy = Policy::kLeastLoad) {
+  std::unique_ptr<WorkerRegistry> Make(Policy policy = Policy::kLeastLoad,
+                                       absl::Duration stall_after = absl::InfiniteDuration()) {
     RegistryOptions o;
     o.lease = absl::Seconds(3);
+    o.stall_after = stall_after;
     o.policy = policy;
     o.model_names = {"stories260K", "/models/stories260K.gguf"};
     o.clock = [this] { return clock_.Now(); };
@@ -112,6 +114,72 @@ TEST_F(RegistryTest, LeaseExpiryRemovesWorkerAndHeartbeatsRenewIt) {
   EXPECT_EQ(r->size(), 0u);
   ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
   EXPECT_TRUE(r->Pick(Pool::kDecode, 1));
+}
+
+TEST_F(RegistryTest, TheRoutersOwnStallExpiresNoLease) {
+  auto r = Make(Policy::kLeastLoad, /*stall_after=*/absl::Milliseconds(1500));
+  ASSERT_TRUE(r->Register(Reg("p0", v1::WORKER_ROLE_PREFILL)).ok());
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  // Ticks every 750 ms, heartbeats from both: no stall, nothing expires.
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(absl::Milliseconds(750));
+    EXPECT_EQ(r->Tick(), absl::ZeroDuration());
+    ASSERT_TRUE(r->Heartbeat(Beat("p0", 100)));
+    ASSERT_TRUE(r->Heartbeat(Beat("d0", 100)));
+  }
+  // Only d0 keeps beating from here; p0 has gone quiet (it died), 1 s into its lease.
+  clock_.Advance(absl::Seconds(1));
+  EXPECT_EQ(r->Tick(), absl::ZeroDuration());
+  ASSERT_TRUE(r->Heartbeat(Beat("d0", 100)));
+  // The router stops for 5 s (both leases would have run out). Before its sweeper ticks again,
+  // the request threads still see both workers, and a queued heartbeat from d0 is accepted.
+  clock_.Advance(absl::Seconds(5));
+  EXPECT_EQ(r->Plan(), PlanKind::kDisaggregated);
+  EXPECT_TRUE(r->Pick(Pool::kPrefill, 0));
+  ASSERT_TRUE(r->Heartbeat(Beat("d0", 100)));
+  // The tick reports the stall and renews the leases; nothing is expired.
+  EXPECT_EQ(r->Tick(), absl::Seconds(5));
+  EXPECT_TRUE(r->ExpireLeases().empty());
+  EXPECT_EQ(r->size(), 2u);
+  // Time runs again (ticks every <= 1 s): p0, still silent, expires one lease after the stall,
+  // and d0, which beats, does not.
+  for (absl::Duration step : {absl::Seconds(1), absl::Seconds(1), absl::Milliseconds(900)}) {
+    clock_.Advance(step);
+    EXPECT_EQ(r->Tick(), absl::ZeroDuration());
+    EXPECT_TRUE(r->ExpireLeases().empty());
+    ASSERT_TRUE(r->Heartbeat(Beat("d0", 100)));
+  }
+  clock_.Advance(absl::Milliseconds(200));
+  EXPECT_EQ(r->Tick(), absl::ZeroDuration());
+  EXPECT_EQ(r->ExpireLeases(), std::vector<std::string>{"p0"});
+  EXPECT_EQ(r->Plan(), PlanKind::kNone);
+  EXPECT_TRUE(r->Pick(Pool::kDecode, 1));
+}
+
+TEST_F(RegistryTest, AStallDoesNotReviveALeaseThatHadRunOut) {
+  auto r = Make(Policy::kLeastLoad, /*stall_after=*/absl::Milliseconds(1500));
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  // d0's lease runs out between two ticks (the sweeper has not removed it yet) ...
+  clock_.Advance(absl::Milliseconds(1000));
+  r->Tick();
+  clock_.Advance(absl::Milliseconds(1000));
+  r->Tick();
+  clock_.Advance(absl::Milliseconds(1000));  // t = 3 s: expired
+  r->Tick();
+  EXPECT_FALSE(r->Pick(Pool::kDecode, 1));
+  // ... then the router stalls: d0 had no lease when the stall began, so it gets none.
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_FALSE(r->Pick(Pool::kDecode, 1));
+  EXPECT_EQ(r->Tick(), absl::Seconds(4));
+  EXPECT_EQ(r->ExpireLeases(), std::vector<std::string>{"d0"});
+}
+
+TEST_F(RegistryTest, WithoutStallDetectionAGapIsNotAStall) {
+  auto r = Make();  // stall_after infinite: no ticks needed, leases run on the clock alone
+  ASSERT_TRUE(r->Register(Reg("d0", v1::WORKER_ROLE_DECODE)).ok());
+  clock_.Advance(absl::Seconds(10));
+  EXPECT_EQ(r->Tick(), absl::ZeroDuration());
+  EXPECT_EQ(r->ExpireLeases(), std::vector<std::string>{"d0"});
 }
 
 TEST_F(RegistryTest, DrainingWorkerGetsNoNewWorkButKeepsItsCount) {
