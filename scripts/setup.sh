@@ -8,7 +8,8 @@ pkgs=(cmake ninja-build ccache g++ clang pkg-config git
       libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
       libxxhash-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
       libucx-dev ucx-utils prometheus-cpp-dev liburing-dev libcpp-httplib-dev libspdlog-dev
-      gnuplot-nox python3-yaml iproute2 util-linux openssl)
+      gnuplot-nox python3-yaml iproute2 util-linux openssl
+      fio)  # fio: the SSD tier's reference in bench/kv_tiers
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

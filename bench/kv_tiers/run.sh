@@ -9,7 +9,8 @@
 #     store's /metrics), then the measured request is prefix + fresh tail. Cold: a fresh prompt
 #     of the same length on the same processes.
 #  2. SSD tier write/read GB/s (`tandem-kvstore --ssd-bench-mb`, O_DIRECT + io_uring, its own
-#     block files) against `dd oflag=direct` / `iflag=direct` on the same directory.
+#     block files, SSD_QD in flight) against fio (one file, O_DIRECT, io_uring, the same block
+#     size and queue depth) on the same directory, SSD_ROUNDS alternating rounds.
 #  3. Prefix hit rate of KV-aware routing (--policy kv-aware) against round-robin on a multi-turn
 #     workload (`tandem bench --workload multi-turn`) with 2 prefill workers (own prefix caches,
 #     no kvstore), from the workers' tandem_prefix_cache_{hits,queries}_total.
@@ -17,7 +18,7 @@
 # usage: bench/kv_tiers/run.sh [BUILD_DIR] [OUT_DIR]   (defaults: build, /tmp/tandem-kv-tiers)
 # env:   MODEL (default: `tandem synth --shape llama-1b --type q8_0`), PROMPT_TOKENS (2048),
 #        CACHED_FRAC (0.95), REPEAT (3), THREADS (2), KV_TYPE (f16), SSD_DIR (OUT_DIR/ssd: put it
-#        on the disk to measure), SSD_MB (1024), CONVS (8 conversations), TURNS (4),
+#        on the disk to measure), SSD_MB (1024), SSD_QD (8), SSD_ROUNDS (3), CONVS (8 conversations), TURNS (4),
 #        TURN_TOKENS (256), OUTPUT_LEN (16), PARTS ("1 2 3"), SMOKE=1 (stories260K, short
 #        prompts, a few requests: about a minute).
 # Writes OUT_DIR/results.md and prints it. Logs are in OUT_DIR/logs.
@@ -51,6 +52,8 @@ THREADS=${THREADS:-2}
 KV_TYPE=${KV_TYPE:-f16}
 SSD_DIR=${SSD_DIR:-$OUT/ssd}
 SSD_MB=${SSD_MB:-1024}
+SSD_QD=${SSD_QD:-8}
+SSD_ROUNDS=${SSD_ROUNDS:-3}
 CONVS=${CONVS:-8}
 TURNS=${TURNS:-4}
 TURN_TOKENS=${TURN_TOKENS:-256}
@@ -231,28 +234,44 @@ if [[ " $PARTS " == *" 1 "* ]]; then
 fi
 
 if [[ " $PARTS " == *" 2 "* ]]; then
+  command -v fio >/dev/null || { echo "fio missing (scripts/setup.sh installs it)" >&2; exit 1; }
   mkdir -p "$SSD_DIR/bench"
-  j=$("$BIN/tandem-kvstore" --dir "$SSD_DIR/bench" --ssd-bench-mb "$SSD_MB" --block-kb 1024 2>>"$LOGS/ssd-bench.log")
-  tw=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["write_gbps"])' "$j")
-  tr=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["read_gbps"])' "$j")
-  dd_gbps() {  # dd's own summary line, in GB/s
-    awk '/copied/ {v=$(NF-1); u=$NF; if (u ~ /^MB/) v/=1000; if (u ~ /^kB/) v/=1e6; print v}'
+  json() { python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print(eval(sys.argv[2], {}, {"d": d}))' "$@"; }
+  gbps_med() { python3 -c 'import statistics,sys; print(f"{statistics.median(float(x) for x in sys.argv[1:]):.3f}")' "$@"; }
+  tandem_ssd() {  # queue depth -> one JSON line
+    "$BIN/tandem-kvstore" --dir "$SSD_DIR/bench/tandem" --ssd-bench-mb "$SSD_MB" --block-kb 1024 \
+      --ssd-queue-depth "$1" 2>>"$LOGS/ssd-bench.log"
   }
-  # dd writes from a random file already in the page cache, so its figure is the disk's alone.
-  head -c "${SSD_MB}M" /dev/urandom >"$SSD_DIR/bench/src.bin"
-  cat "$SSD_DIR/bench/src.bin" >/dev/null
-  dw=$(dd if="$SSD_DIR/bench/src.bin" of="$SSD_DIR/bench/dd.bin" bs=1M oflag=direct 2>&1 | dd_gbps)
-  dr=$(dd if="$SSD_DIR/bench/dd.bin" of=/dev/null bs=1M iflag=direct 2>&1 | dd_gbps)
+  fio_gbps() {  # rw -> GB/s of one fio job: 1 MiB blocks, O_DIRECT, io_uring, depth SSD_QD
+    fio --name="$1" --directory="$SSD_DIR/bench" --filename=fio.bin --rw="$1" --bs=1M \
+      --iodepth="$SSD_QD" --ioengine=io_uring --direct=1 --size="${SSD_MB}M" \
+      --output-format=json >"$LOGS/fio-$1.json" 2>>"$LOGS/ssd-bench.log"
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0][sys.argv[2]]; print(j["bw_bytes"]/1e9)' \
+      "$LOGS/fio-$1.json" "$([ "$1" = write ] && echo write || echo read)"
+  }
+  # Rounds alternate tandem and fio, since a shared disk's bandwidth drifts; medians reported.
+  tw=() tr=() fw=() fr=()
+  for ((r = 0; r < SSD_ROUNDS; r++)); do
+    j=$(tandem_ssd "$SSD_QD")
+    tw+=("$(json "$j" 'd["write_gbps"]')") tr+=("$(json "$j" 'd["read_gbps"]')")
+    fw+=("$(fio_gbps write)") fr+=("$(fio_gbps read)")
+    rm -f "$SSD_DIR/bench/fio.bin"
+  done
+  j1=$(tandem_ssd 1)
   rm -rf "$SSD_DIR/bench"
+  TW=$(gbps_med "${tw[@]}") TR=$(gbps_med "${tr[@]}") FW=$(gbps_med "${fw[@]}") FR=$(gbps_med "${fr[@]}")
   {
-    echo "## SSD tier throughput, ${SSD_MB} MiB in 1 MiB blocks on \`$SSD_DIR\`"
+    echo "## SSD tier throughput, ${SSD_MB} MiB in 1 MiB blocks on \`$SSD_DIR\` (median of $SSD_ROUNDS alternating rounds)"
     echo
     echo "| | write GB/s | read GB/s |"
     echo "| --- | ---: | ---: |"
-    echo "| tandem SSD tier (O_DIRECT, io_uring: $(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["io_uring"])' "$j")) | $tw | $tr |"
-    echo "| dd oflag/iflag=direct bs=1M | $dw | $dr |"
+    echo "| tandem SSD tier, queue depth $SSD_QD (O_DIRECT, io_uring: $(json "$j" 'str(d["io_uring"]).lower()')) | $TW | $TR |"
+    echo "| fio, one file, bs=1M, iodepth=$SSD_QD, io_uring, direct=1 | $FW | $FR |"
+    echo "| tandem / fio | $(python3 -c "print(f'{$TW/$FW:.2f}')") | $(python3 -c "print(f'{$TR/$FR:.2f}')") |"
+    echo "| tandem SSD tier, queue depth 1 (one round) | $(json "$j1" 'd["write_gbps"]') | $(json "$j1" 'd["read_gbps"]') |"
     echo
-    echo "(dd copies a random file from the page cache; both sides write incompressible bytes.)"
+    echo "(tandem writes one file per block, a temporary file then a rename, and checksums every"
+    echo "block on both sides; fio streams one preallocated file. Rounds: ${tw[*]} / ${tr[*]} against ${fw[*]} / ${fr[*]}.)"
     echo
   } >>"$RESULTS"
 fi

@@ -170,31 +170,36 @@ absl::StatusOr<v1::KvReadResponse> KvDataPlane::Read(const v1::KvReadRequest& re
   // The blocks' bytes stay here until every write that reads them has completed.
   std::vector<std::vector<uint8_t>> blocks;
   std::vector<transfer::WriteOp> ops;
-  for (int i = 0; i < req.block_hashes_size(); ++i) {
-    const uint64_t h = req.block_hashes(i);
-    const int32_t b = req.block_ids(i);
-    if (b < 0) return absl::InvalidArgumentError(absl::StrCat("block id ", b, " is negative"));
-    const std::optional<TierKind> where = store_->Where(h);
-    absl::StatusOr<std::vector<uint8_t>> data = store_->Get(h);
-    if (!data.ok()) {
-      if (absl::IsDataLoss(data.status())) {
-        resp.set_integrity_failures(resp.integrity_failures() + 1);
-        break;
-      }
-      if (absl::IsNotFound(data.status())) break;
-      return data.status();
+  for (int i = 0; i < req.block_ids_size(); ++i) {
+    if (req.block_ids(i) < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block id ", req.block_ids(i), " is negative"));
     }
+  }
+  absl::Status stop;
+  std::vector<TieredStore::Found> found = store_->GetPrefix(
+      std::span<const uint64_t>(req.block_hashes().data(), req.block_hashes_size()), &stop);
+  for (size_t i = 0; i < found.size(); ++i) {
+    const int32_t b = req.block_ids(static_cast<int>(i));
     // A block stored by a worker with another KV shape is not this requester's block.
-    if (data->size() != block_bytes) break;
-    resp.add_tiers(ToProtoTier(where.value_or(TierKind::kDevice)));
-    resp.add_checksums(services::KvBytesChecksum(data->data(), data->size()));
-    blocks.push_back(std::move(*data));
+    if (found[i].data.size() != block_bytes) {
+      stop = absl::OkStatus();
+      break;
+    }
+    resp.add_tiers(ToProtoTier(found[i].tier));
+    resp.add_checksums(services::KvBytesChecksum(found[i].data.data(), found[i].data.size()));
+    blocks.push_back(std::move(found[i].data));
     const uint8_t* src = blocks.back().data();
     for (uint64_t s = 0; s < segments; ++s) {
       const uint64_t off =
           (s / 2) * dst.layer_stride() + (s % 2) * dst.kv_stride() + uint64_t(b) * dst.segment_bytes();
       ops.push_back({src + s * dst.segment_bytes(), dst.segment_bytes(), off});
     }
+  }
+  if (absl::IsDataLoss(stop)) {
+    resp.set_integrity_failures(resp.integrity_failures() + 1);
+  } else if (!stop.ok() && !absl::IsNotFound(stop) && blocks.size() == found.size()) {
+    return stop;
   }
   resp.set_read(static_cast<int32_t>(blocks.size()));
   if (ops.empty()) return resp;

@@ -47,22 +47,18 @@ grpc::Status KvStoreService::Get(grpc::ServerContext*, const v1::KvGetRequest* r
                                  v1::KvGetResponse* resp) {
   trace::Span span(tracer_, "Get", "rpc");
   span.Arg("blocks", req->block_hashes_size());
-  for (uint64_t h : req->block_hashes()) {
-    // Where first: Get may promote the block, and the reply says where it was found.
-    const std::optional<TierKind> where = store_->Where(h);
-    absl::StatusOr<std::vector<uint8_t>> data = store_->Get(h);
-    if (!data.ok()) {
-      if (absl::IsDataLoss(data.status())) {
-        resp->set_integrity_failures(resp->integrity_failures() + 1);
-        break;
-      }
-      if (absl::IsNotFound(data.status())) break;
-      return services::ToGrpcStatus(data.status());
-    }
+  absl::Status stop;
+  std::vector<TieredStore::Found> found = store_->GetPrefix(
+      std::span<const uint64_t>(req->block_hashes().data(), req->block_hashes_size()), &stop);
+  if (!stop.ok() && !absl::IsNotFound(stop) && !absl::IsDataLoss(stop)) {
+    return services::ToGrpcStatus(stop);
+  }
+  if (absl::IsDataLoss(stop)) resp->set_integrity_failures(resp->integrity_failures() + 1);
+  for (size_t i = 0; i < found.size(); ++i) {
     v1::KvBlock* b = resp->add_blocks();
-    b->set_hash(h);
-    b->set_data(data->data(), data->size());
-    if (where.has_value()) b->set_tier(ToProtoTier(*where));
+    b->set_hash(req->block_hashes(static_cast<int>(i)));
+    b->set_data(found[i].data.data(), found[i].data.size());
+    b->set_tier(ToProtoTier(found[i].tier));
   }
   return grpc::Status::OK;
 }

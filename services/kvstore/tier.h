@@ -43,6 +43,26 @@ class Tier {
   // Stores a copy of `data` under `hash`, replacing any block already there.
   virtual absl::Status Put(uint64_t hash, std::span<const uint8_t> data) = 0;
   virtual absl::StatusOr<std::vector<uint8_t>> Get(uint64_t hash) = 0;
+  // Several blocks at once, one result per hash, in order. The SSD tier keeps up to its queue
+  // depth of them in flight; the memory tiers just loop.
+  virtual std::vector<absl::StatusOr<std::vector<uint8_t>>> GetMany(
+      std::span<const uint64_t> hashes) {
+    std::vector<absl::StatusOr<std::vector<uint8_t>>> out;
+    out.reserve(hashes.size());
+    for (uint64_t h : hashes) out.push_back(Get(h));
+    return out;
+  }
+  struct BlockRef {
+    uint64_t hash = 0;
+    std::span<const uint8_t> data;
+  };
+  // Several Puts at once, one status per block, in order (the SSD tier writes them together).
+  virtual std::vector<absl::Status> PutMany(std::span<const BlockRef> blocks) {
+    std::vector<absl::Status> out;
+    out.reserve(blocks.size());
+    for (const BlockRef& b : blocks) out.push_back(Put(b.hash, b.data));
+    return out;
+  }
   virtual bool Contains(uint64_t hash) const = 0;
   // NOT_FOUND when absent.
   virtual absl::Status Erase(uint64_t hash) = 0;

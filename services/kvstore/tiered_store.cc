@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredSto
     o.capacity_bytes = c.ssd.capacity_bytes;
     o.use_io_uring = c.ssd_use_io_uring;
     o.fsync = c.ssd_fsync;
+    o.queue_depth = c.ssd_queue_depth;
     TANDEM_ASSIGN_OR_RETURN(s->tiers_[2], SsdTier::Open(o));
     // Blocks that survived a restart are known again; their use history is not.
     absl::MutexLock l(&s->mu_);
@@ -96,13 +97,48 @@ void TieredStore::MakeRoom(int t, uint64_t need, bool to_low) {
   Tier& tier = *tiers_[t];
   const TierConfig& tc = config(t);
   const double low = tc.low_watermark * static_cast<double>(tier.Capacity());
+  // Blocks bound for SSD are written together, a queue depth's worth at a time.
+  std::vector<Outgoing> to_ssd;
   while (!lru_[t].empty()) {
     const bool over = tier.Used() + need > tier.Capacity();
     const bool above_low = to_low && static_cast<double>(tier.Used()) > low;
     if (!over && !above_low) break;
     // The newest block (just placed) stays even when the watermark alone would move it.
     if (!over && lru_[t].size() == 1) break;
-    Demote(t, lru_[t].front());
+    Demote(t, lru_[t].front(), &to_ssd);
+    if (static_cast<int>(to_ssd.size()) >= c_.ssd_queue_depth) WriteToSsd(&to_ssd);
+  }
+  WriteToSsd(&to_ssd);
+}
+
+void TieredStore::WriteToSsd(std::vector<Outgoing>* blocks) {
+  if (blocks->empty()) return;
+  Tier& ssd = *tiers_[2];
+  uint64_t need = 0;
+  std::vector<Tier::BlockRef> refs;
+  for (const Outgoing& o : *blocks) {
+    need += ssd.Footprint(o.data.size());
+    refs.push_back({o.hash, o.data});
+  }
+  MakeRoom(2, std::min(need, ssd.Capacity()), /*to_low=*/false);
+  const std::vector<absl::Status> st = ssd.PutMany(refs);
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    const uint64_t hash = (*blocks)[i].hash;
+    auto it = blocks_.find(hash);
+    if (st[i].ok() && it != blocks_.end()) {
+      Touch(2, hash, it->second);
+      ++stats_.tiers[2].demoted_in;
+    } else if (!st[i].ok()) {
+      std::fprintf(stderr, "tandem-kvstore: demoting block %016llx to %s failed: %s\n",
+                   static_cast<unsigned long long>(hash), ssd.label().c_str(),
+                   st[i].ToString().c_str());
+    }
+    DropIfHomeless(hash);
+  }
+  blocks->clear();
+  const double high = c_.ssd.high_watermark * static_cast<double>(ssd.Capacity());
+  if (static_cast<double>(ssd.Used()) > high) {
+    MakeRoom(2, 0, /*to_low=*/true);
   }
 }
 
@@ -127,7 +163,7 @@ absl::Status TieredStore::Place(int t, uint64_t hash, std::span<const uint8_t> d
   return absl::OkStatus();
 }
 
-void TieredStore::Demote(int t, uint64_t hash) {
+void TieredStore::Demote(int t, uint64_t hash, std::vector<Outgoing>* to_ssd) {
   Block& b = blocks_.at(hash);
   absl::StatusOr<std::vector<uint8_t>> data = tiers_[t]->Get(hash);
   Forget(t, hash, b);
@@ -137,6 +173,9 @@ void TieredStore::Demote(int t, uint64_t hash) {
   if (data.ok() && next < kNumTiers && !b.in[next]) {
     if (next == 2 && b.hits < c_.ssd_min_hits) {
       ++stats_.dropped_cold;
+    } else if (next == 2) {
+      to_ssd->push_back(Outgoing{hash, std::move(*data)});
+      return;  // homeless until the batch is written
     } else {
       absl::Status st = Place(next, hash, *data);
       if (st.ok()) {
@@ -179,6 +218,44 @@ absl::Status TieredStore::Put(uint64_t hash, std::span<const uint8_t> data) {
 
 absl::StatusOr<std::vector<uint8_t>> TieredStore::Get(uint64_t hash) {
   absl::MutexLock l(&mu_);
+  return GetLocked(hash, nullptr, nullptr);
+}
+
+std::vector<TieredStore::Found> TieredStore::GetPrefix(std::span<const uint64_t> hashes,
+                                                       absl::Status* stop) {
+  absl::MutexLock l(&mu_);
+  *stop = absl::OkStatus();
+  // The leading run the index knows, and its blocks whose fastest copy is on SSD: those are
+  // read in one batch first.
+  size_t run = 0;
+  std::vector<uint64_t> ssd_hashes;
+  for (; run < hashes.size(); ++run) {
+    auto it = blocks_.find(hashes[run]);
+    const int top = it == blocks_.end() ? -1 : Top(it->second);
+    if (top < 0) break;
+    if (top == 2) ssd_hashes.push_back(hashes[run]);
+  }
+  std::vector<absl::StatusOr<std::vector<uint8_t>>> ssd;
+  if (!ssd_hashes.empty()) ssd = tiers_[2]->GetMany(ssd_hashes);
+  std::vector<Found> out;
+  size_t k = 0;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    // Promoting an earlier block can push a later one out of a tier; GetLocked looks again.
+    absl::StatusOr<std::vector<uint8_t>>* copy =
+        k < ssd_hashes.size() && ssd_hashes[k] == hashes[i] ? &ssd[k++] : nullptr;
+    TierKind where = TierKind::kDevice;
+    absl::StatusOr<std::vector<uint8_t>> data = GetLocked(hashes[i], copy, &where);
+    if (!data.ok()) {
+      *stop = data.status();
+      break;
+    }
+    out.push_back(Found{std::move(*data), where});
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<uint8_t>> TieredStore::GetLocked(
+    uint64_t hash, absl::StatusOr<std::vector<uint8_t>>* ssd_copy, TierKind* where) {
   ++stats_.gets;
   absl::Status last = absl::NotFoundError(absl::StrCat("no block ", absl::Hex(hash)));
   for (;;) {
@@ -193,7 +270,9 @@ absl::StatusOr<std::vector<uint8_t>> TieredStore::Get(uint64_t hash) {
     for (int t = 0; t < top; ++t) {
       if (tiers_[t] != nullptr) ++stats_.tiers[t].misses;
     }
-    absl::StatusOr<std::vector<uint8_t>> data = tiers_[top]->Get(hash);
+    absl::StatusOr<std::vector<uint8_t>> data =
+        top == 2 && ssd_copy != nullptr ? std::move(*ssd_copy) : tiers_[top]->Get(hash);
+    ssd_copy = nullptr;  // read once
     if (!data.ok()) {
       // The tier dropped a corrupt copy (DATA_LOSS) or lost the file; try any other copy.
       ++stats_.tiers[top].misses;
@@ -206,6 +285,7 @@ absl::StatusOr<std::vector<uint8_t>> TieredStore::Get(uint64_t hash) {
       continue;
     }
     ++stats_.tiers[top].hits;
+    if (where != nullptr) *where = static_cast<TierKind>(top);
     Block& b = it->second;
     ++b.hits;
     if (top == top_) {

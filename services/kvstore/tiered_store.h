@@ -11,8 +11,10 @@
 // later demotion of an unchanged block then needs no write). SSD contents are re-indexed on
 // start, so blocks survive restarts.
 //
-// Threading: thread-safe; one mutex serialises every call (SSD I/O included, which is fine for
-// a control plane; a data plane would want per-tier queues).
+// Reads: GetPrefix serves a request's leading run of blocks in one call, and reads the run's
+// SSD blocks together (SsdTier::GetMany: up to its queue depth of files in flight) before it
+// counts and promotes each block in order, exactly as that many Gets would.
+// Threading: thread-safe; one mutex serialises every call (SSD I/O included).
 // Errors: Get gives NOT_FOUND for an unknown block and DATA_LOSS when the only copy failed its
 // integrity check (it is dropped; the block is then simply missing). Put gives INVALID_ARGUMENT
 // for an empty block or one larger than a device slot.
@@ -49,6 +51,7 @@ struct TieredStoreConfig {
   std::string ssd_dir;                    // required when ssd.capacity_bytes > 0
   int32_t ssd_min_hits = 1;               // hits a block needs before a demotion writes it to SSD
   bool ssd_use_io_uring = true;
+  int ssd_queue_depth = 8;                // SSD block files in flight in a multi-block read
   bool ssd_fsync = false;
 };
 
@@ -89,6 +92,15 @@ class TieredStore {
 
   absl::Status Put(uint64_t hash, std::span<const uint8_t> data);
   absl::StatusOr<std::vector<uint8_t>> Get(uint64_t hash);
+  // The leading run of `hashes` the store can serve, each counted and promoted as Get does,
+  // with the tier its fastest copy was found in. The run's SSD blocks are read together (up to
+  // the SSD tier's queue depth in flight). Stops at the first block that is absent or whose
+  // every copy failed its integrity check; *stop is that Get's status (OK when all were read).
+  struct Found {
+    std::vector<uint8_t> data;
+    TierKind tier = TierKind::kDevice;
+  };
+  std::vector<Found> GetPrefix(std::span<const uint64_t> hashes, absl::Status* stop);
   bool Contains(uint64_t hash) const;
   absl::Status Erase(uint64_t hash);
   // How many leading `hashes` are stored, and where. Does not count hits or move blocks.
@@ -121,8 +133,24 @@ class TieredStore {
   // Demotes LRU blocks of tier t until `need` more bytes fit, and, when `to_low`, until usage
   // is at or under the low watermark.
   void MakeRoom(int t, uint64_t need, bool to_low) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Demote(int t, uint64_t hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A block on its way to the SSD tier, out of the tier above and not yet written.
+  struct Outgoing {
+    uint64_t hash = 0;
+    std::vector<uint8_t> data;
+  };
+  // Moves the block out of tier t into the next enabled tier; one bound for SSD is appended to
+  // `to_ssd` instead, for WriteToSsd.
+  void Demote(int t, uint64_t hash, std::vector<Outgoing>* to_ssd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room on SSD and writes `blocks` in one batch (SsdTier::PutMany); empties it.
+  void WriteToSsd(std::vector<Outgoing>* blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropIfHomeless(uint64_t hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Get under the lock. `ssd_copy`, when given, is the block's SSD file already read; it is
+  // used if the SSD copy is still the fastest one. *where gets the tier it was served from.
+  absl::StatusOr<std::vector<uint8_t>> GetLocked(uint64_t hash,
+                                                 absl::StatusOr<std::vector<uint8_t>>* ssd_copy,
+                                                 TierKind* where)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TieredStoreConfig c_;
   mutable absl::Mutex mu_;

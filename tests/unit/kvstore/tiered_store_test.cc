@@ -7,6 +7,7 @@
 
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "engine/kv/block_pool.h"
@@ -231,6 +232,105 @@ TEST_F(TieredStoreTest, CorruptSsdBlockIsAMissAndCounted) {
   EXPECT_EQ(st.tiers[2].integrity_failures, 1);
   EXPECT_EQ(st.tiers[0].integrity_failures, 0);
   EXPECT_EQ(*s->Get(Hash(8)), want_[Hash(8)]);
+}
+
+TEST_F(TieredStoreTest, GetPrefixIsTheSameAsGetsOneByOne) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  ScratchDir twin_dir;  // a second store with the same blocks, read with Where + Get
+  TieredStoreConfig tc = c;
+  tc.ssd_dir = twin_dir.path() + "/twin";
+  auto twin = Make(tc);
+  for (int i = 0; i < 12; ++i) {
+    PutBlock(*s, i);
+    ASSERT_TRUE(twin->Put(Hash(i), want_[Hash(i)]).ok());
+  }
+  // 0-3 on SSD, 4-7 in host, 8-11 on the device; reads in this order promote some and push
+  // others down on the way, so later blocks are found where the earlier reads left them.
+  ASSERT_EQ(Where(*s, 0), TierKind::kSsd);
+  ASSERT_EQ(Where(*s, 5), TierKind::kHost);
+  ASSERT_EQ(Where(*s, 9), TierKind::kDevice);
+  std::vector<uint64_t> ask;
+  for (int i : {9, 0, 5, 1, 2, 3, 6, 99, 10}) ask.push_back(Hash(i));  // 99: absent
+  absl::Status stop;
+  const std::vector<TieredStore::Found> found = s->GetPrefix(ask, &stop);
+  EXPECT_EQ(stop.code(), absl::StatusCode::kNotFound) << stop;
+  ASSERT_EQ(found.size(), 7u);
+  std::set<TierKind> seen;
+  for (size_t i = 0; i < found.size(); ++i) {
+    const std::optional<TierKind> where = twin->Where(ask[i]);
+    absl::StatusOr<std::vector<uint8_t>> one = twin->Get(ask[i]);
+    ASSERT_TRUE(one.ok()) << one.status();
+    EXPECT_EQ(found[i].data, *one) << i;
+    EXPECT_EQ(found[i].data, want_[ask[i]]) << i;
+    EXPECT_EQ(found[i].tier, *where) << i;
+    seen.insert(found[i].tier);
+  }
+  EXPECT_EQ(seen.size(), 3u) << "the run should be served from all three tiers";
+  EXPECT_EQ(twin->Get(Hash(99)).status().code(), absl::StatusCode::kNotFound);
+  // The same counts and the same placement afterwards; the block after the absent one unread.
+  const TieredStoreStats a = s->stats(), b = twin->stats();
+  EXPECT_EQ(a.gets, 8);
+  EXPECT_EQ(a.gets, b.gets);
+  for (int t = 0; t < kNumTiers; ++t) {
+    EXPECT_EQ(a.tiers[t].hits, b.tiers[t].hits) << t;
+    EXPECT_EQ(a.tiers[t].misses, b.tiers[t].misses) << t;
+    EXPECT_EQ(a.tiers[t].promoted_out, b.tiers[t].promoted_out) << t;
+    EXPECT_EQ(a.tiers[t].blocks, b.tiers[t].blocks) << t;
+  }
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(Where(*s, i), twin->Where(Hash(i))) << i;
+  // A run read in full says OK.
+  const std::vector<uint64_t> two = {Hash(6), Hash(3)};
+  ASSERT_EQ(s->GetPrefix(two, &stop).size(), 2u);
+  EXPECT_TRUE(stop.ok()) << stop;
+}
+
+TEST_F(TieredStoreTest, GetPrefixStopsAtACorruptSsdBlock) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;
+  auto s = Make(c);
+  for (int i = 0; i < 12; ++i) PutBlock(*s, i);
+  const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
+  {
+    const int fd = open(ssd->PathFor(Hash(2)).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    uint8_t b;
+    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 10), 1);
+    b = static_cast<uint8_t>(~b);
+    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 10), 1);
+    close(fd);
+  }
+  const std::vector<uint64_t> ask = {Hash(0), Hash(1), Hash(2), Hash(3)};
+  absl::Status stop;
+  const std::vector<TieredStore::Found> found = s->GetPrefix(ask, &stop);
+  EXPECT_EQ(stop.code(), absl::StatusCode::kDataLoss) << stop;
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[1].data, want_[Hash(1)]);
+  EXPECT_FALSE(s->Contains(Hash(2)));
+  EXPECT_EQ(s->stats().tiers[2].integrity_failures, 1);
+  EXPECT_EQ(*s->Get(Hash(3)), want_[Hash(3)]);  // read in the batch, still served after
+}
+
+TEST_F(TieredStoreTest, ADemotionDownToTheLowMarkWritesItsSsdBlocksTogether) {
+  TieredStoreConfig c = SmallConfig(dir_.path());
+  c.ssd_min_hits = 0;
+  c.device = {0, 1.0, 1.0};                 // puts land in host
+  c.host = {20 * kPayload, 0.95, 0.40};      // crossing 95% moves 12 blocks down at once
+  auto s = Make(c);
+  for (int i = 0; i < 19; ++i) PutBlock(*s, i);
+  ASSERT_EQ(s->stats().tiers[2].blocks, 0);
+  PutBlock(*s, 19);
+  const TieredStoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[2].demoted_in, 12);
+  EXPECT_EQ(st.tiers[2].blocks, 12);
+  EXPECT_EQ(st.tiers[1].blocks, 8);
+  const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
+  if (ssd->using_io_uring()) EXPECT_EQ(ssd->max_in_flight(), 8);  // not one file at a time
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(Where(*s, i), i < 12 ? TierKind::kSsd : TierKind::kHost) << i;
+  }
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(*s->Get(Hash(i)), want_[Hash(i)]) << i;
 }
 
 TEST_F(TieredStoreTest, WithoutHostDeviceDemotesStraightToSsd) {

@@ -111,6 +111,63 @@ TEST_P(TierTest, RefusesWhatDoesNotFit) {
   EXPECT_EQ(tier->Put(9, {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_P(TierTest, BatchesRoundTripAndFailPerBlock) {
+  auto tier = Make(64 * kSlot);
+  std::mt19937_64 rng(99);
+  std::vector<uint64_t> hashes;
+  std::vector<std::vector<uint8_t>> bytes;
+  for (int i = 0; i < 20; ++i) {
+    hashes.push_back(rng());
+    bytes.push_back(RandomBytes(rng, 1 + rng() % kSlot));
+  }
+  std::vector<Tier::BlockRef> refs;
+  for (int i = 0; i < 20; ++i) refs.push_back({hashes[i], bytes[i]});
+  for (const absl::Status& st : tier->PutMany(refs)) ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(tier->NumBlocks(), 20);
+  uint64_t footprint = 0;
+  for (const auto& b : bytes) footprint += tier->Footprint(b.size());
+  EXPECT_EQ(tier->Used(), footprint);
+  // An absent block fails alone; the others come back in order.
+  std::vector<uint64_t> ask = hashes;
+  ask.insert(ask.begin() + 5, 12345);
+  const auto got = tier->GetMany(ask);
+  ASSERT_EQ(got.size(), 21u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (i == 5) {
+      EXPECT_EQ(got[i].status().code(), absl::StatusCode::kNotFound);
+      continue;
+    }
+    ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status();
+    EXPECT_EQ(*got[i], bytes[i < 5 ? i : i - 1]) << i;
+  }
+  // One hash twice in a batch: the later bytes win, as with two Puts.
+  const auto later = RandomBytes(rng, 333);
+  const std::vector<Tier::BlockRef> twice = {{hashes[0], bytes[1]}, {hashes[2], bytes[3]},
+                                             {hashes[0], later}};
+  for (const absl::Status& st : tier->PutMany(twice)) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(*tier->Get(hashes[0]), later);
+  EXPECT_EQ(*tier->Get(hashes[2]), bytes[3]);
+}
+
+TEST_P(TierTest, ABatchThatOverflowsStoresWhatFits) {
+  auto tier = Make(3 * kSlot);
+  std::mt19937_64 rng(5);
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<Tier::BlockRef> refs;
+  for (int i = 0; i < 5; ++i) bytes.push_back(RandomBytes(rng, kSlot - 100));
+  for (int i = 0; i < 5; ++i) refs.push_back({static_cast<uint64_t>(100 + i), bytes[i]});
+  refs.push_back({200, {}});
+  const std::vector<absl::Status> st = tier->PutMany(refs);
+  ASSERT_EQ(st.size(), 6u);
+  // Device: three slots; host: three payloads; SSD: three 8 KiB files.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(st[i].ok()) << i << ": " << st[i];
+  for (int i = 3; i < 5; ++i) EXPECT_EQ(st[i].code(), absl::StatusCode::kResourceExhausted) << i;
+  EXPECT_EQ(st[5].code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(tier->NumBlocks(), 3);
+  EXPECT_LE(tier->Used(), tier->Capacity());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(*tier->Get(100 + i), bytes[i]);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, TierTest,
                          ::testing::Values(Backend::kDevice, Backend::kHost, Backend::kSsdUring,
                                            Backend::kSsdPread),
@@ -145,6 +202,42 @@ TEST_F(SsdTierTest, UsesIoUringAndODirectHere) {
   std::printf("ssd tier: %s\n", t->name().c_str());
   if (!t->using_io_uring()) GTEST_SKIP() << "io_uring unavailable on this machine";
   EXPECT_NE(t->name().find("io_uring"), std::string::npos);
+}
+
+TEST_F(SsdTierTest, GetManyKeepsTheQueueDepthInFlightAndCatchesACorruptFile) {
+  auto t = Open();
+  std::mt19937_64 rng(3);
+  std::vector<uint64_t> hashes;
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<Tier::BlockRef> refs;
+  for (int i = 0; i < 20; ++i) {
+    hashes.push_back(0xABC000 + i);
+    bytes.push_back(RandomBytes(rng, 6000 + i));
+  }
+  for (int i = 0; i < 20; ++i) refs.push_back({hashes[i], bytes[i]});
+  for (const absl::Status& st : t->PutMany(refs)) ASSERT_TRUE(st.ok()) << st;
+  if (t->using_io_uring()) EXPECT_EQ(t->max_in_flight(), 8);  // the default queue depth
+  {
+    const int fd = open(t->PathFor(hashes[7]).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    uint8_t b;
+    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 1234), 1);
+    b = static_cast<uint8_t>(~b);
+    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 1234), 1);
+    close(fd);
+  }
+  const auto got = t->GetMany(hashes);
+  for (int i = 0; i < 20; ++i) {
+    if (i == 7) {
+      EXPECT_EQ(got[i].status().code(), absl::StatusCode::kDataLoss) << got[i].status();
+      continue;
+    }
+    ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status();
+    EXPECT_EQ(*got[i], bytes[i]);
+  }
+  EXPECT_EQ(t->integrity_failures(), 1);
+  EXPECT_FALSE(t->Contains(hashes[7]));
+  EXPECT_EQ(t->NumBlocks(), 19);
 }
 
 TEST_F(SsdTierTest, RestartKeepsTheBlocks) {
