@@ -60,11 +60,13 @@ TURN_TOKENS=${TURN_TOKENS:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-16}
 PARTS=${PARTS:-1 2 3}
 CTX=$((PROMPT_TOKENS + 256))
-if [ -z "${MODEL:-}" ]; then
+if [[ " $PARTS " != *" 1 "* && " $PARTS " != *" 3 "* ]]; then
+  MODEL=${MODEL:-none}  # part 2 alone runs no model
+elif [ -z "${MODEL:-}" ]; then
   MODEL=$OUT/llama-1b-q8_0.gguf
   [ -f "$MODEL" ] || "$BIN/tandem" synth --shape llama-1b --type q8_0 --out "$MODEL"
 fi
-[ -f "$MODEL" ] || { echo "model $MODEL missing" >&2; exit 1; }
+[ "$MODEL" = none ] || [ -f "$MODEL" ] || { echo "model $MODEL missing" >&2; exit 1; }
 
 cleanup() {  # every process this script started (each left a pid file)
   for f in "$OUT"/*.pid; do
