@@ -34,8 +34,8 @@ fidelity: build
 thread-safety: build
 	@python3 scripts/thread_safety.py $(BUILD) -j $(JOBS)
 
-# ThreadSanitizer: build-tsan/ (abseil from its Debian source package with TSan, then tandem)
-# and the unit, component and fault tests under it (README.md).
+# ThreadSanitizer: build-tsan/ (abseil, gRPC and cpp-httplib from their Debian source packages
+# with TSan, then tandem) and the unit, component and fault tests under it (README.md).
 tsan: setup
 	@scripts/tsan.sh
 

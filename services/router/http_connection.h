@@ -5,7 +5,9 @@
 // only at its next token; a non-streaming one, or one still waiting for admission, writes
 // nothing until the end. cpp-httplib gives a handler no access to its socket, so
 // FindConnectionSocket finds it by the connection's addresses (the TCP 4-tuple is unique among
-// open connections), and DisconnectWatcher polls the watched sockets for a peer hang-up
+// open connections): the kernel's socket table (/proc/self/net/tcp, tcp6) gives its inode, and
+// /proc/self/fd the descriptor that links to it, without touching any other thread's
+// descriptors. DisconnectWatcher polls the watched sockets for a peer hang-up
 // (POLLRDHUP / POLLHUP / POLLERR) without reading from them.
 //
 // Threading: DisconnectWatcher is thread-safe; callbacks run on its own thread, must be quick

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/sanitizer.h"
 #include "tests/fault/fault_cluster.h"
 
 namespace tandem::testing {
@@ -51,7 +52,7 @@ struct Stream {
 
 void RunStream(FaultCluster& cluster, const v1::GenerateRequest& req, Stream* s) {
   grpc::ClientContext cc;
-  cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  cc.set_deadline(absl::ToChronoTime(absl::Now() + Scaled(absl::Seconds(60))));
   s->started = absl::Now();
   auto reader = cluster.inference().Generate(&cc, req);
   v1::GenerateResponse m;
@@ -95,7 +96,7 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
                 &streams[i]);
     });
   }
-  ASSERT_TRUE(WaitFor(absl::Seconds(20), [&] {
+  ASSERT_TRUE(WaitFor(Scaled(absl::Seconds(20)), [&] {
     for (const Stream& s : streams) {
       if (!s.first_token && !s.done) return false;
     }
@@ -138,7 +139,7 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   ASSERT_GT(per_stream, 0);
   const absl::Time signalled = absl::Now();
   cluster.process(victim)->Signal(SIGTERM);
-  ASSERT_TRUE(WaitFor(absl::Seconds(5), [&] { return !cluster.Registered(victim); }))
+  ASSERT_TRUE(WaitFor(Scaled(absl::Seconds(5)), [&] { return !cluster.Registered(victim); }))
       << victim << " is still registered 5 s after SIGTERM";
   const absl::Time dropped = absl::Now();
   int still_running = 0;
@@ -153,7 +154,7 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   int prev_used = 0;
   std::string history;
   int exit_code = -1;
-  const bool exited = WaitFor(absl::Milliseconds(kGraceMs + 2000), [&] {
+  const bool exited = WaitFor(Scaled(absl::Milliseconds(kGraceMs + 2000)), [&] {
     const HttpResponse m = HttpCall(metrics_port, "GET", "/metrics", "", absl::Seconds(2));
     if (m.status == 200) {
       last_running = MetricValue(m.body, "tandem_num_requests_running");
@@ -180,7 +181,8 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
 
   ASSERT_TRUE(exited) << victim << " still runs " << kGraceMs << " ms after SIGTERM";
   EXPECT_EQ(exit_code, 0);
-  EXPECT_LT(drain_time, absl::Milliseconds(kGraceMs));
+  // Under TSan the process's own exit (its shadow memory unmapped) outlasts the grace.
+  if (!kUnderTsan) EXPECT_LT(drain_time, absl::Milliseconds(kGraceMs));
   EXPECT_GE(still_running, 1) << "the streams ended before the router dropped " << victim;
   for (int i = 0; i < kStreams; ++i) {
     SCOPED_TRACE(absl::StrCat("stream ", i, " on ", streams[i].decode_worker));
@@ -210,7 +212,7 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   EXPECT_EQ(prev_used, static_cast<int>(last_running) * per_stream)
       << per_stream << " blocks per long stream";
   std::string why;
-  EXPECT_TRUE(cluster.WaitIdle(absl::Seconds(10), &why, {"prefill-0", survivor})) << why;
+  EXPECT_TRUE(cluster.WaitIdle(Scaled(absl::Seconds(10)), &why, {"prefill-0", survivor})) << why;
   // The worker's own account agrees.
   std::smatch m;
   const std::string log = [&] {

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/fakes/sanitizer.h"
 #include "tests/fault/fault_cluster.h"
 
 namespace tandem::testing {
@@ -62,7 +63,7 @@ TEST(RouterThreadsTest, ManyOpenStreamsAddNoThreadEach) {
   for (int i = 0; i < kStreams; ++i) {
     clients.emplace_back([&, i] {
       grpc::ClientContext cc;
-      cc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      cc.set_deadline(absl::ToChronoTime(absl::Now() + Scaled(absl::Seconds(120))));
       start.arrive_and_wait();
       auto reader = cluster.inference().Generate(
           &cc, GreedyRequest(absl::StrCat("Stream ", i, ": once upon a time"), kMaxTokens,

@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/fakes/sanitizer.h"
 #include "tests/fakes/shell_util.h"
 #include "tests/fakes/tiny_model.h"
 #include "tests/fault/fault_cluster.h"
@@ -226,7 +227,7 @@ void DecodeKillCase(bool speculative) {
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  EXPECT_GE(proc->Wait(Scaled(absl::Seconds(5))), 0);
   streams.Join();
   ASSERT_TRUE(all_started) << "the streams did not start in time";
 
