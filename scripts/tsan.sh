@@ -131,7 +131,7 @@ if [ ! -f "$out/tandem/build.ninja" ]; then
 fi
 cmake --build "$out/tandem" -j "$jobs"
 
-# 5. The tests, every process on the instrumented abseil, reports to files.
+# 5. The tests, every process on the instrumented libraries, reports to files.
 rm -rf "$out/reports"
 mkdir -p "$out/reports"
 args=("$@")

@@ -110,7 +110,7 @@ struct Stream {
 
 void RunStream(FaultCluster& cluster, const v1::GenerateRequest& req, Stream* s) {
   grpc::ClientContext cc;
-  cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  cc.set_deadline(absl::ToChronoTime(absl::Now() + Scaled(absl::Seconds(60))));
   auto reader = cluster.inference().Generate(&cc, req);
   v1::GenerateResponse m;
   while (reader->Read(&m)) {
@@ -385,7 +385,7 @@ TEST_F(WorkerKillTest, SigkilledPrefillWorkerMidPrefillRetriesOnAnotherAndLeaksN
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  EXPECT_GE(proc->Wait(Scaled(absl::Seconds(5))), 0);
   streams.Join();
   ASSERT_TRUE(busy) << "no prefill ever ran on " << victim;
 
@@ -462,7 +462,7 @@ TEST_F(WorkerKillTest, WedgedDecodeEngineGoesNotServingAndItsStreamsMigrateOnRes
   ChildProcess* proc = cluster.process(victim);
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
-  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  EXPECT_GE(proc->Wait(Scaled(absl::Seconds(5))), 0);
   streams.Join();
   for (int i = 0; i < kStreams; ++i) {
     Stream& s = streams[i];
@@ -592,7 +592,7 @@ TEST_F(ExpertGroupTest, SigkilledExpertRankMidStreamRequestsMigrateAndTheGroupRe
   ASSERT_NE(proc, nullptr);
   proc->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  EXPECT_GE(proc->Wait(absl::Seconds(5)), 0);
+  EXPECT_GE(proc->Wait(Scaled(absl::Seconds(5))), 0);
   // The leader deregisters promptly (it saw the rank's Join stream close).
   EXPECT_TRUE(WaitFor(absl::Seconds(3), [&] { return !cluster.Registered(leader); }))
       << leader << " still registered after its expert rank died";
