@@ -1,6 +1,7 @@
 // Helpers shared by the kvstore tests: random payloads and a scratch directory per test.
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "services/kvstore/ssd_tier.h"
 
 namespace tandem::kvstore::testing {
 
@@ -17,6 +19,20 @@ inline std::vector<uint8_t> RandomBytes(std::mt19937_64& rng, size_t n) {
   std::vector<uint8_t> v(n);
   for (auto& b : v) b = static_cast<uint8_t>(rng());
   return v;
+}
+
+// Inverts one payload byte of an SSD tier block file in place (the corruption the tier's
+// checksums must catch).
+inline ::testing::AssertionResult FlipPayloadByte(const std::string& path, off_t payload_offset) {
+  const int fd = open(path.c_str(), O_RDWR);
+  if (fd < 0) return ::testing::AssertionFailure() << "cannot open " << path;
+  const off_t off = static_cast<off_t>(SsdTier::kHeaderBytes) + payload_offset;
+  uint8_t b = 0;
+  const bool ok = pread(fd, &b, 1, off) == 1 && (b = static_cast<uint8_t>(~b), true) &&
+                  pwrite(fd, &b, 1, off) == 1;
+  close(fd);
+  if (!ok) return ::testing::AssertionFailure() << "cannot rewrite byte " << off << " of " << path;
+  return ::testing::AssertionSuccess();
 }
 
 // A fresh directory removed when the object goes away.

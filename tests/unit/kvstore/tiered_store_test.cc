@@ -2,8 +2,6 @@
 // frequency filter in front of SSD, promotion on a hit, prefix lookup, restart and integrity.
 #include "services/kvstore/tiered_store.h"
 
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <map>
 #include <random>
@@ -215,15 +213,7 @@ TEST_F(TieredStoreTest, CorruptSsdBlockIsAMissAndCounted) {
   for (int i = 0; i < 9; ++i) PutBlock(*s, i);
   ASSERT_EQ(Where(*s, 0), TierKind::kSsd);
   const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
-  {
-    const int fd = open(ssd->PathFor(Hash(0)).c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    uint8_t b;
-    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 500), 1);
-    b = static_cast<uint8_t>(~b);
-    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 500), 1);
-    close(fd);
-  }
+  ASSERT_TRUE(testing::FlipPayloadByte(ssd->PathFor(Hash(0)), 500));
   auto got = s->Get(Hash(0));
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
   EXPECT_FALSE(s->Contains(Hash(0)));
@@ -292,15 +282,7 @@ TEST_F(TieredStoreTest, GetPrefixStopsAtACorruptSsdBlock) {
   auto s = Make(c);
   for (int i = 0; i < 12; ++i) PutBlock(*s, i);
   const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
-  {
-    const int fd = open(ssd->PathFor(Hash(2)).c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    uint8_t b;
-    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 10), 1);
-    b = static_cast<uint8_t>(~b);
-    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 10), 1);
-    close(fd);
-  }
+  ASSERT_TRUE(testing::FlipPayloadByte(ssd->PathFor(Hash(2)), 10));
   const std::vector<uint64_t> ask = {Hash(0), Hash(1), Hash(2), Hash(3)};
   absl::Status stop;
   const std::vector<TieredStore::Found> found = s->GetPrefix(ask, &stop);

@@ -217,15 +217,7 @@ TEST_F(SsdTierTest, GetManyKeepsTheQueueDepthInFlightAndCatchesACorruptFile) {
   for (int i = 0; i < 20; ++i) refs.push_back({hashes[i], bytes[i]});
   for (const absl::Status& st : t->PutMany(refs)) ASSERT_TRUE(st.ok()) << st;
   if (t->using_io_uring()) EXPECT_EQ(t->max_in_flight(), 8);  // the default queue depth
-  {
-    const int fd = open(t->PathFor(hashes[7]).c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    uint8_t b;
-    ASSERT_EQ(pread(fd, &b, 1, SsdTier::kHeaderBytes + 1234), 1);
-    b = static_cast<uint8_t>(~b);
-    ASSERT_EQ(pwrite(fd, &b, 1, SsdTier::kHeaderBytes + 1234), 1);
-    close(fd);
-  }
+  ASSERT_TRUE(testing::FlipPayloadByte(t->PathFor(hashes[7]), 1234));
   const auto got = t->GetMany(hashes);
   for (int i = 0; i < 20; ++i) {
     if (i == 7) {
@@ -270,16 +262,7 @@ TEST_F(SsdTierTest, FlippedPayloadByteIsAMissAndCounted) {
   auto t = Open();
   ASSERT_TRUE(t->Put(77, bytes).ok());
   ASSERT_TRUE(t->Put(78, bytes).ok());
-  {
-    const int fd = open(t->PathFor(77).c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    uint8_t b;
-    const off_t off = SsdTier::kHeaderBytes + 1234;
-    ASSERT_EQ(pread(fd, &b, 1, off), 1);
-    b ^= 0x10;
-    ASSERT_EQ(pwrite(fd, &b, 1, off), 1);
-    close(fd);
-  }
+  ASSERT_TRUE(testing::FlipPayloadByte(t->PathFor(77), 1234));
   auto got = t->Get(77);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
   EXPECT_EQ(t->integrity_failures(), 1);
