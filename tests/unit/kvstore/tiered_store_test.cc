@@ -2,7 +2,6 @@
 // frequency filter in front of SSD, promotion on a hit, prefix lookup, restart and integrity.
 #include "services/kvstore/tiered_store.h"
 
-
 #include <map>
 #include <random>
 #include <set>
