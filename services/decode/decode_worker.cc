@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <deque>
 #include <optional>
+#include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -121,7 +122,9 @@ DecodeWorker::DecodeWorker(const DecodeWorkerOptions& o, std::unique_ptr<engine:
     : o_(o),
       engine_(std::move(engine)),
       scheduler_(std::make_unique<engine::Scheduler>(
-          engine_.get(), engine::SchedulerOptions{.speculative = o.speculative, .proposer = proposer})),
+          engine_.get(), engine::SchedulerOptions{.prefix_cache = o.prefix_cache,
+                                                  .speculative = o.speculative,
+                                                  .proposer = proposer})),
       proposer_(std::move(proposer)),
       draft_(dynamic_cast<engine::DraftModelProposer*>(proposer_.get())),
       kv_blocks_total_(engine_->kv().pool().num_blocks()),
@@ -239,6 +242,7 @@ void DecodeWorker::Loop() {
   // Quarantined blocks too: the pool goes away with the worker, so no later request can be
   // handed one.
   for (auto& [id, r] : reservations_) {
+    ReleaseHeld(r);
     FreeBlocks(r.blocks);
     FreeDraftBlocks(r.draft_blocks);
   }
@@ -253,6 +257,15 @@ void DecodeWorker::Loop() {
 
 void DecodeWorker::FreeBlocks(const std::vector<int32_t>& blocks) {
   engine_->kv().pool().UnrefAll(blocks).IgnoreError();
+}
+
+void DecodeWorker::ReleaseHeld(Reservation& r) {
+  if (r.held == 0) return;
+  engine::PrefixCache* cache = scheduler_->prefix_cache();
+  // Tail first, as the scheduler hands blocks back, so the LRU keeps a chain's start longest.
+  for (int32_t i = r.held - 1; i >= 0; --i) cache->Release(r.blocks[i]);
+  r.blocks.erase(r.blocks.begin(), r.blocks.begin() + r.held);
+  r.held = 0;
 }
 
 void DecodeWorker::FreeDraftBlocks(const std::vector<int32_t>& blocks) {
@@ -278,6 +291,7 @@ void DecodeWorker::ReapExpired(absl::Time now) {
 }
 
 void DecodeWorker::Quarantine(std::string request_id, Reservation&& r, std::string why) {
+  ReleaseHeld(r);
   Quarantine(std::move(request_id), std::move(r.blocks), std::move(why),
              std::move(r.draft_blocks));
 }
@@ -319,7 +333,8 @@ void DecodeWorker::PublishStats() {
   snapshot_.set_running(scheduler_->num_running());
   snapshot_.set_waiting(scheduler_->num_waiting());
   snapshot_.set_kv_blocks_total(pool.num_blocks());
-  snapshot_.set_kv_blocks_free(pool.num_free());
+  // Cached blocks no sequence uses are free for the asking (an allocation reclaims them).
+  snapshot_.set_kv_blocks_free(pool.num_available());
   snapshot_.set_reservations(static_cast<int32_t>(reservations_.size()));
   if (o_.metrics != nullptr) {
     services::ServingMetrics& m = *o_.metrics;
@@ -327,11 +342,16 @@ void DecodeWorker::PublishStats() {
     m.num_requests_waiting.Set(scheduler_->num_waiting());
     // Reservations and quarantined blocks count as used: no other request can have them.
     const int32_t total = pool.num_blocks();
-    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_free()) / total : 0.0);
-    if (const engine::PrefixCache* pc = scheduler_->prefix_cache(); pc != nullptr) {
-      const engine::PrefixCacheStats ps = pc->stats();
-      services::AdvanceCounterTo(m.prefix_cache_queries, static_cast<double>(ps.queries));
-      services::AdvanceCounterTo(m.prefix_cache_hits, static_cast<double>(ps.hits));
+    m.kv_cache_usage_perc.Set(total > 0 ? 1.0 - double(pool.num_available()) / total : 0.0);
+  }
+  if (const engine::PrefixCache* pc = scheduler_->prefix_cache(); pc != nullptr) {
+    const engine::PrefixCacheStats ps = pc->stats();
+    snapshot_.set_prefix_cache_query_blocks(static_cast<uint64_t>(ps.queries));
+    snapshot_.set_prefix_cache_hit_blocks(static_cast<uint64_t>(ps.hits));
+    if (o_.metrics != nullptr) {
+      services::AdvanceCounterTo(o_.metrics->prefix_cache_queries,
+                                 static_cast<double>(ps.queries));
+      services::AdvanceCounterTo(o_.metrics->prefix_cache_hits, static_cast<double>(ps.hits));
     }
   }
   services::ReportKvInvariants(absl::StrCat("decode worker ", o_.worker_id), pool,
@@ -460,18 +480,42 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   if (!(req.tpot_target_s() >= 0)) {
     return absl::InvalidArgumentError("tpot_target_s must be >= 0");
   }
+  if (req.prompt_token_ids_size() > 0 && req.prompt_token_ids_size() != req.prompt_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids has ",
+                                                   req.prompt_token_ids_size(),
+                                                   " tokens; prompt_tokens says ",
+                                                   req.prompt_tokens()));
+  }
   const engine::DecodeMember member = MemberOf(req.prompt_tokens(), req.max_tokens(),
                                                req.tpot_target_s());
   TANDEM_RETURN_IF_ERROR(AdmitByTpot(id, member));
-  absl::StatusOr<std::vector<int32_t>> blocks = kv.pool().AllocateN(static_cast<int32_t>(n));
-  if (!blocks.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("request needs ", n, " KV blocks; ",
-                                                     kv.pool().num_free(), " are free right now"));
+  // The leading blocks an earlier sequence left in the cache, never the last prompt token's:
+  // prefill computes that token (its logits give the first token) and writes its block.
+  Reservation r;
+  engine::PrefixCache* cache = scheduler_->prefix_cache();
+  int32_t usable = 0;
+  if (cache != nullptr && req.prompt_token_ids_size() > 0) {
+    const std::span<const int32_t> prompt(req.prompt_token_ids().data(),
+                                          static_cast<size_t>(req.prompt_token_ids_size()));
+    const std::vector<uint64_t> hashes =
+        engine::ComputeBlockHashes(prompt, kv.block_size(), req.salt());
+    usable = static_cast<int32_t>(
+        std::min<int64_t>(hashes.size(), (req.prompt_tokens() - 1) / kv.block_size()));
+    r.blocks = cache->Acquire(std::span<const uint64_t>(hashes).first(usable));
+    r.held = static_cast<int32_t>(r.blocks.size());
   }
+  absl::StatusOr<std::vector<int32_t>> blocks =
+      kv.pool().AllocateN(static_cast<int32_t>(n - r.held));
+  if (!blocks.ok()) {
+    ReleaseHeld(r);
+    return absl::ResourceExhaustedError(absl::StrCat("request needs ", n, " KV blocks; ",
+                                                     kv.pool().num_available(),
+                                                     " are free right now"));
+  }
+  if (cache != nullptr && usable > 0) cache->RecordLookup(usable, r.held);
+  r.blocks.insert(r.blocks.end(), blocks->begin(), blocks->end());
   absl::Duration lease = req.lease_ms() > 0 ? absl::Milliseconds(req.lease_ms()) : o_.default_lease;
   lease = std::min(lease, o_.max_lease);
-  Reservation r;
-  r.blocks = std::move(*blocks);
   r.prompt_tokens = req.prompt_tokens();
   r.max_tokens = req.max_tokens();
   r.member = member;
@@ -484,6 +528,7 @@ absl::StatusOr<v1::ReserveResponse> DecodeWorker::DoReserve(const v1::ReserveReq
   dst->set_region(region_bytes_);
   const int64_t prompt_blocks = services::BlocksFor(req.prompt_tokens(), kv.block_size());
   for (int64_t i = 0; i < prompt_blocks; ++i) dst->add_block_ids(r.blocks[i]);
+  dst->set_held_blocks(r.held);
   services::FillKvLayout(kv, dst);
   dst->set_speculative(engine::SpecHandshake(o_.speculative));
   if (draft_region_registered_) {
@@ -515,6 +560,7 @@ engine::GenerationRequest DecodeWorker::MakeRequest(const v1::DecodeRequest& req
   g.id = req.request_id();
   g.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
   g.sampling = services::SamplingFromProto(req.sampling());
+  g.salt = req.salt();
   if (req.has_first_token_logprobs()) {
     g.first_token_logprobs = services::LogprobsFromProto(req.first_token_logprobs());
   }
@@ -594,30 +640,34 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
     return absl::InvalidArgumentError(
         absl::StrCat("prompt has ", prompt, " tokens; the reservation was for ", r.prompt_tokens));
   }
-  const int64_t prompt_blocks = services::BlocksFor(prompt, kv.block_size());
-  if (req.block_checksums_size() != prompt_blocks) {
+  // Checksums cover the blocks prefill wrote: those after the held ones.
+  const int64_t written = services::BlocksFor(prompt, kv.block_size()) - r.held;
+  if (req.block_checksums_size() != written) {
     Quarantine(id, std::move(r), "was refused (wrong number of block checksums)");
-    return absl::InvalidArgumentError(absl::StrCat("got ", req.block_checksums_size(),
-                                                   " block checksums; the prompt fills ",
-                                                   prompt_blocks, " blocks"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "got ", req.block_checksums_size(), " block checksums; prefill wrote ", written,
+        " blocks (the prompt's after the ", r.held, " this worker held)"));
   }
   // Verify before admitting: a sequence must never decode from KV that is not what prefill
   // computed (a torn or misdirected transfer, a reused block, memory corruption).
   // (On the device for a GPU pool, by the same algorithm prefill used, kv_layout.h.)
-  absl::StatusOr<std::vector<uint64_t>> computed = services::PoolChecksums(kv, r.blocks, prompt);
+  const int64_t held_tokens = int64_t{r.held} * kv.block_size();
+  absl::StatusOr<std::vector<uint64_t>> computed = services::PoolChecksums(
+      kv, std::span<const int32_t>(r.blocks).subspan(r.held), prompt - held_tokens);
   if (!computed.ok()) {
     Quarantine(id, std::move(r), "was refused (its KV could not be checksummed)");
     return computed.status();
   }
   const std::vector<uint64_t>& sums = *computed;
-  for (int64_t i = 0; i < prompt_blocks; ++i) {
+  for (int64_t i = 0; i < written; ++i) {
     if (sums[i] != req.block_checksums(static_cast<int>(i))) {
       integrity_failures_.fetch_add(1);
       if (o_.metrics != nullptr) o_.metrics->kv_integrity_failures.Increment();
       const std::string msg = absl::StrFormat(
           "request %s: KV block %d (pool block %d) has checksum %016x, prefill sent %016x; "
           "the transferred KV is corrupt",
-          id, i, r.blocks[i], sums[i], req.block_checksums(static_cast<int>(i)));
+          id, r.held + i, r.blocks[r.held + i], sums[i],
+          req.block_checksums(static_cast<int>(i)));
       Quarantine(id, std::move(r), "was refused (KV checksum mismatch)");
       return absl::DataLossError(msg);
     }
@@ -632,6 +682,7 @@ absl::Status DecodeWorker::DoStartDecode(const v1::DecodeRequest& req,
   if (!st.ok()) {
     active_.erase(id);
     // Validation failed before the scheduler took the blocks.
+    ReleaseHeld(r);
     Quarantine(id, std::move(r.blocks), absl::StrCat("was refused (", st.message(), ")"),
                std::move(draft_blocks));
   } else if (o_.metrics != nullptr) {

@@ -16,6 +16,12 @@
 // with NOT_FOUND naming why, without reading or touching its blocks.
 // Colocated path: a DecodeRequest with prefill_locally needs no reservation; the scheduler
 // prefills the prompt itself, in chunks batched with the running decodes.
+// Sessions (DecodeWorkerOptions::prefix_cache): finished sequences leave their full blocks in
+// the scheduler's prefix cache. A Reserve that sends the prompt's tokens holds the longest run
+// of them that starts the prompt (never the block of its last token) and says so in the
+// destination (held_blocks): prefill writes and checksums only the blocks after them. Held
+// blocks are shared and never written; a reservation that ends undecoded gives them back to
+// the cache, and only its own blocks go to quarantine.
 //
 // Threading: every public method is thread-safe and never runs model compute: each hands a
 // closure to the engine thread through a mutex-protected inbox and waits for its answer. The
@@ -74,6 +80,10 @@ struct DecodeWorkerOptions {
   // Test twin hook: runs on the engine thread before every scheduler iteration that has work.
   // Tests slow the loop with it (to cancel mid-stream deterministically) or count steps.
   std::function<void()> before_step;
+  // Prefix cache: a finished sequence's full blocks (prompt and generated) stay in the pool,
+  // LRU, until an allocation needs them; a Reserve whose prompt starts with them (the next
+  // turn of a conversation, under the same salt) holds them, so prefill sends only the rest.
+  bool prefix_cache = true;
   // Where this worker's series go (labelled with its model and role); not owned, may be null.
   services::ServingMetrics* metrics = nullptr;
   // Speculative decoding of this worker's scheduler (off by default), and its series (may be
@@ -152,6 +162,9 @@ class DecodeWorker {
   };
   struct Reservation {
     std::vector<int32_t> blocks;        // prompt + max_tokens
+    // Leading blocks taken from the prefix cache (shared, already holding the prompt's K/V;
+    // prefill writes nothing into them). The others are the reservation's own.
+    int32_t held = 0;
     std::vector<int32_t> draft_blocks;  // the draft's, for the prompt; empty: none asked for
     int32_t prompt_tokens = 0;
     int32_t max_tokens = 0;
@@ -202,6 +215,9 @@ class DecodeWorker {
   // Requests the last Iterate admitted (it admits first, at `at`) leave queued_.
   void NoteAdmitted(absl::Time at);
   void FreeBlocks(const std::vector<int32_t>& blocks);
+  // Gives a reservation's held blocks back to the prefix cache and drops them from r.blocks,
+  // leaving the blocks it owns alone (what a quarantine may hold).
+  void ReleaseHeld(Reservation& r);
   void FreeDraftBlocks(const std::vector<int32_t>& blocks);
 
   DecodeWorkerOptions o_;

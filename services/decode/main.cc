@@ -58,6 +58,10 @@ int Main(int argc, char** argv) {
                  "how long the blocks of an expired or cancelled reservation stay out of the "
                  "pool, so a prefill's late writes cannot land in another request's KV")
       ->check(CLI::NonNegativeNumber);
+  bool no_prefix_cache = false;
+  app.add_flag("--no-prefix-cache", no_prefix_cache,
+               "free finished sequences' blocks at once (the next turn of a conversation then "
+               "gets all of its KV sent again)");
 #if TANDEM_DECODE_TEST_HOOKS
   int wedge_after_steps = 0;
   testing::AddDecodeTestHooks(app, &wedge_after_steps);
@@ -111,6 +115,7 @@ int Main(int argc, char** argv) {
   wo.default_lease = absl::Milliseconds(lease_ms);
   wo.max_lease = absl::Milliseconds(std::max(lease_ms, max_lease_ms));
   wo.quarantine = absl::Milliseconds(quarantine_ms);
+  wo.prefix_cache = !no_prefix_cache;
   absl::StatusOr<engine::SpeculativeOptions> spec_options = services::SpeculativeFromFlags(flags);
   if (!spec_options.ok()) {
     return services::FailWorker(kBinary, "--speculative", spec_options.status());

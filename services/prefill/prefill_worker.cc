@@ -72,6 +72,7 @@ struct PrefillWorker::Job {
   std::vector<int32_t> prompt;
   engine::SamplingParams sampling;
   std::vector<int32_t> dst_blocks;
+  int32_t held_blocks = 0;  // leading blocks decode already holds: not written
   transfer::RegionDescriptor region;
   uint64_t layer_stride = 0;
   uint64_t kv_stride = 0;
@@ -284,6 +285,12 @@ absl::StatusOr<std::shared_ptr<PrefillWorker::Job>> PrefillWorker::MakeJob(
     job->usable = static_cast<int32_t>(
         std::min<int64_t>(job->hashes.size(), (n - 1) / kv.block_size()));
   }
+  if (dst.held_blocks() < 0 || dst.held_blocks() >= blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV destination holds ", dst.held_blocks(), " of the prompt's ", blocks,
+        " blocks; it must hold fewer (the last prompt token's block is always written)"));
+  }
+  job->held_blocks = dst.held_blocks();
   job->dst_blocks.assign(dst.block_ids().begin(), dst.block_ids().begin() + blocks);
   job->layer_stride = dst.layer_stride();
   job->kv_stride = dst.kv_stride();
@@ -923,6 +930,15 @@ void PrefillWorker::PostLayerWrites(const std::shared_ptr<Job>& keep, bool draft
   const uint64_t layer_stride = draft ? job.draft.layer_stride : job.layer_stride;
   const uint64_t kv_stride = draft ? job.draft.kv_stride : job.kv_stride;
   const int64_t bs = kv.block_size();
+  if (!draft) {
+    // The blocks decode holds already have these K/V: nothing goes into them.
+    const int64_t held = int64_t{job.held_blocks} * bs;
+    if (start + n <= held) return;
+    if (start < held) {
+      n -= held - start;
+      start = held;
+    }
+  }
   const uint64_t block_bytes = kv.block_bytes();
   const uint64_t slot_bytes = kv.slot_bytes();  // quantised slots carry their scales
   const uint8_t* k = kv.k_layer(layer);
@@ -1059,7 +1075,10 @@ void PrefillWorker::Finalize(const std::shared_ptr<Job>& job) {
     if (job->first_logprobs) {
       *r.mutable_first_token_logprobs() = services::LogprobsToProto(*job->first_logprobs);
     }
-    for (uint64_t c : job->checksums) r.add_block_checksums(c);
+    // Of the blocks written: those after the ones decode holds.
+    for (size_t i = static_cast<size_t>(job->held_blocks); i < job->checksums.size(); ++i) {
+      r.add_block_checksums(job->checksums[i]);
+    }
     r.set_bytes_transferred(bytes);
     r.set_compute_seconds(absl::ToDoubleSeconds(job->compute_end - job->compute_start));
     r.set_transfer_seconds(

@@ -23,8 +23,10 @@
 // this worker's registered pool over the transport) runs at admission under a deadline, and
 // every block read is checked against the store's checksum. Only the rest of the prompt is
 // computed (never its last token, whose logits give the first token). The onboarded prefix is
-// sent to decode like computed KV (written for every layer at admission), so decode always
-// gets the whole prompt. When the request succeeds its full blocks enter the prefix cache, and
+// sent to decode like computed KV (written for every layer at admission). What decode already
+// holds (the destination's held_blocks: an earlier turn's blocks in its own prefix cache) is
+// computed or onboarded here as needed for attention but never written, and its checksums are
+// not sent. When the request succeeds its full blocks enter the prefix cache, and
 // the ones the store did not have are copied out and published to the store off the critical
 // path (KvStoreClient's bounded queue). A store that is down, slow or wrong costs a request
 // at most the lookup and read deadlines: it then runs cold. Blocks a failed Read may still be

@@ -773,7 +773,12 @@ std::optional<HttpError> ParseOpenAiRequest(ApiKind kind, std::string_view body,
   // Extension field: the request's class at the router's admission queue.
   std::optional<std::string> priority;
   f.String("priority", &priority);
+  // OpenAI's end-user id names the conversation: its turns go to the decode worker that holds
+  // its KV (GenerateRequest.session_id; the X-Session-Id header takes precedence).
+  std::optional<std::string> user;
+  f.String("user", &user);
   if (f.error) return f.error;
+  if (user) g.set_session_id(*user);
   if (priority) {
     absl::StatusOr<v1::Priority> p = services::PriorityFromName(*priority);
     if (!p.ok()) return Bad("priority", std::string(p.status().message()));

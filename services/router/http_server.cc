@@ -379,6 +379,9 @@ void HttpServer::HandleGenerate(ApiKind kind, const httplib::Request& req, httpl
   if (auto e = ParseOpenAiRequest(kind, req.body, *model, *models_->chat(), &c->req)) {
     return SendError(res, *e);
   }
+  if (req.has_header("X-Session-Id")) {
+    c->req.generate.set_session_id(req.get_header_value("X-Session-Id"));
+  }
   for (int32_t i = 0; i < c->req.n; ++i) c->choices.push_back(std::make_unique<Choice>());
   Track(c.get());
   // No deadline of our own: the router gives requests without one its --timeout-ms, exactly

@@ -72,6 +72,25 @@ RouterMetrics::RouterMetrics(services::Metrics* metrics, const std::string& mode
   for (const char* p : {"interactive", "standard", "batch"}) {
     slo_rejected_->Add({{"model_name", model_name}, {"role", "router"}, {"priority", p}});
   }
+  auto& sessions = prometheus::BuildCounter()
+                       .Name(absl::StrCat(services::kMetricPrefix, "session_requests_total"))
+                       .Help("Disaggregated requests with a session id, by whether their decode "
+                             "worker already held part of the prompt's KV.")
+                       .Register(metrics_->registry());
+  session_held_ = &sessions.Add({{"model_name", model_name}, {"role", "router"}, {"held", "yes"}});
+  session_missed_ = &sessions.Add({{"model_name", model_name}, {"role", "router"}, {"held", "no"}});
+  held_tokens_ = &prometheus::BuildCounter()
+                      .Name(absl::StrCat(services::kMetricPrefix, "decode_held_tokens_total"))
+                      .Help("Prompt tokens whose KV the decode worker already held (an earlier "
+                            "turn), so prefill did not send it.")
+                      .Register(metrics_->registry())
+                      .Add({{"model_name", model_name}, {"role", "router"}});
+}
+
+void RouterMetrics::RecordHandoff(bool with_session, int held_tokens, uint64_t bytes) {
+  serving_.kv_transfer_bytes.Observe(static_cast<double>(bytes));
+  if (held_tokens > 0) held_tokens_->Increment(held_tokens);
+  if (with_session) (held_tokens > 0 ? session_held_ : session_missed_)->Increment();
 }
 
 void RouterMetrics::RecordSloRejected(const std::string& priority) {

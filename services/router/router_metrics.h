@@ -9,7 +9,14 @@
 //     window's workload at 90% attainment; otherwise (or when no cluster up to max_replicas meets
 //     the targets) autoscale.h's rule over the last AutoscaleOptions::window of observations;
 //   tandem_slo_rejected_total{model_name,role="router",priority}  counter: requests refused for
-//     their TTFT target (slo.h), at arrival or after waiting past it in the queue, by class.
+//     their TTFT target (slo.h), at arrival or after waiting past it in the queue, by class;
+//   tandem_session_requests_total{model_name,role="router",held}  counter: disaggregated
+//     requests with a session id, by whether their decode worker held part of the prompt's KV
+//     already (held="yes": a session hit) or not;
+//   tandem_decode_held_tokens_total{model_name,role="router"}  counter: prompt tokens whose KV
+//     the decode worker held, so prefill did not send it.
+// kv_transfer_bytes{role="router"} observes each disaggregated request's prompt KV bytes (one
+// turn of a conversation).
 // Router semantics: TTFT is arrival at the router -> first token relayed to the client; ITL the
 // gaps between relayed messages that carry tokens; e2e arrival -> the end of the call, any
 // outcome; queue time arrival -> admission; running/waiting are admission's counts;
@@ -61,6 +68,9 @@ class RouterMetrics {
   void RecordFirstToken(absl::Time at, absl::Duration ttft, const v1::TtftBreakdown& b);
   // A later token message reached the client `gap` after the previous one.
   void RecordInterToken(absl::Time at, absl::Duration gap);
+  // A disaggregated request's KV handoff: it had a session id or not, decode held
+  // `held_tokens` of its prompt, and prefill sent `bytes`.
+  void RecordHandoff(bool with_session, int held_tokens, uint64_t bytes);
   // A broken decode stream was moved to another worker (tandem_migrations_total).
   void RecordMigration();
   // A request of class `priority` ("interactive", "standard", "batch") was refused by its
@@ -101,6 +111,9 @@ class RouterMetrics {
   prometheus::Gauge* recommended_decode_ = nullptr;
   prometheus::Gauge* prefix_index_blocks_ = nullptr;
   prometheus::Family<prometheus::Counter>* slo_rejected_ = nullptr;
+  prometheus::Counter* session_held_ = nullptr;    // held="yes"
+  prometheus::Counter* session_missed_ = nullptr;  // held="no"
+  prometheus::Counter* held_tokens_ = nullptr;
   const std::string model_name_;
   const AutoscaleOptions autoscale_;
   const absl::Time started_;

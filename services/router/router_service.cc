@@ -21,8 +21,15 @@
 #include "services/common/sampling_convert.h"
 #include "services/router/log.h"
 #include "services/router/request_validation.h"
+#include "xxhash.h"
 
 namespace tandem::router {
+
+uint64_t SessionWeight(std::string_view session_id, std::string_view worker_id) {
+  const uint64_t seed = XXH3_64bits(session_id.data(), session_id.size());
+  return XXH3_64bits_withSeed(worker_id.data(), worker_id.size(), seed) >> 11;
+}
+
 namespace {
 
 absl::Status Prefixed(const absl::Status& st, const std::string& prefix) {
@@ -273,6 +280,9 @@ struct InferenceService::Call {
   double onboard_s = 0;    // the prefill worker's prefix onboarding time, and where from
   std::string onboard_tier;
   int32_t onboarded_tokens = 0;
+  // The last handoff: prompt KV bytes prefill sent, and prompt tokens decode already held.
+  uint64_t kv_transfer_bytes = 0;
+  int32_t decode_held_tokens = 0;
   // Migration state. sent_tokens/sent_text: everything relayed to the client so far.
   std::vector<int32_t> sent_tokens;
   std::string sent_text;
@@ -395,6 +405,11 @@ absl::Status InferenceService::Prepare(const v1::GenerateRequest& req,
                                                                  : defaults.ttft_target_ms);
   out->tpot_target = absl::Milliseconds(req.tpot_target_ms() > 0 ? req.tpot_target_ms()
                                                                  : defaults.tpot_target_ms);
+  if (req.session_id().size() > kMaxSessionIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("session_id has ", req.session_id().size(),
+                                                   " bytes; at most ", kMaxSessionIdBytes));
+  }
+  out->session_id = req.session_id();
   return absl::OkStatus();
 }
 
@@ -555,6 +570,7 @@ absl::StatusOr<v1::GenerateRequest> InferenceService::RenderChat(const v1::ChatR
   g.set_priority(req.priority());
   g.set_ttft_target_ms(req.ttft_target_ms());
   g.set_tpot_target_ms(req.tpot_target_ms());
+  g.set_session_id(req.session_id());
   return g;
 }
 
@@ -746,6 +762,19 @@ Task<absl::Status> InferenceService::Route(Call& c) {
   }
 }
 
+Assignment InferenceService::PickForSession(Pool pool, const Call& c,
+                                            const absl::flat_hash_set<std::string>& exclude) {
+  if (c.req.session_id.empty()) return registry_->Pick(pool, c.req.kv_blocks, exclude);
+  // Rendezvous hashing: every router (replicas, restarts) sends a session to the same worker
+  // while it serves, and to the same next one when it does not; a worker joining or leaving
+  // moves only the sessions it wins or held.
+  const std::string& session = c.req.session_id;
+  return registry_->PickScored(pool, c.req.kv_blocks, exclude,
+                               [&session](const std::string& id, double /*load*/) {
+                                 return static_cast<double>(SessionWeight(session, id));
+                               });
+}
+
 Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   const std::vector<int32_t> prompt = c.WorkPrompt();
   const v1::SamplingParams sampling = c.WorkSampling();
@@ -769,12 +798,15 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
     absl::flat_hash_set<std::string> tried = c.avoid;
     last = c.NoneLeft("decode");
     while (true) {
-      d = registry_->Pick(Pool::kDecode, c.req.kv_blocks, tried);
+      d = PickForSession(Pool::kDecode, c, tried);
       if (!d) co_return last;
       tried.insert(d.worker_id());
       v1::ReserveRequest rq;
       rq.set_request_id(c.id);
       rq.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+      // For the decode worker's prefix cache: what of the prompt it already holds.
+      rq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+      rq.set_salt(c.salt);
       rq.set_max_tokens(c.WorkMaxTokens());
       rq.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(o_.reserve_lease)));
       rq.set_tpot_target_s(absl::ToDoubleSeconds(c.req.tpot_target));
@@ -923,8 +955,12 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   c.onboard_s = pr.onboard_seconds();
   c.onboard_tier = pr.onboard_tier();
   c.onboarded_tokens = pr.onboarded_tokens();
+  c.kv_transfer_bytes = pr.bytes_transferred();
+  c.decode_held_tokens = reserve.destination().held_blocks() * reserve.destination().block_size();
   if (metrics_ != nullptr) {
     metrics_->RecordPrefill(static_cast<int>(prompt.size()), pr.compute_seconds());
+    metrics_->RecordHandoff(!c.req.session_id.empty(), c.decode_held_tokens,
+                            pr.bytes_transferred());
   }
 
   // 3. Decode, relaying the stream.
@@ -933,6 +969,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
   *dreq.mutable_sampling() = sampling;
   dreq.set_first_token_id(pr.first_token_id());
+  dreq.set_salt(c.salt);
   if (pr.has_first_token_logprobs()) {
     *dreq.mutable_first_token_logprobs() = pr.first_token_logprobs();
   }
@@ -955,7 +992,7 @@ Task<absl::Status> InferenceService::RunColocated(Call& c) {
   const std::vector<int32_t> prompt = c.WorkPrompt();
   const v1::SamplingParams sampling = c.WorkSampling();
   while (true) {
-    Assignment w = registry_->Pick(Pool::kColocated, c.req.kv_blocks, tried);
+    Assignment w = PickForSession(Pool::kColocated, c, tried);
     if (!w) co_return last;
     tried.insert(w.worker_id());
     c.prefill_worker = c.decode_worker = w.worker_id();
@@ -964,6 +1001,7 @@ Task<absl::Status> InferenceService::RunColocated(Call& c) {
     Arrived(c);
     v1::DecodeRequest dreq;
     dreq.set_request_id(c.id);
+    dreq.set_salt(c.salt);
     dreq.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
     *dreq.mutable_sampling() = sampling;
     dreq.set_prefill_locally(true);
@@ -1079,6 +1117,8 @@ Task<absl::Status> InferenceService::RelayDecode(Call& c, Assignment& d,
       u->set_prompt_tokens(static_cast<int32_t>(c.req.prompt.size()));
       u->set_completion_tokens(c.completion_tokens);
       if (u->cached_prompt_tokens() == 0) u->set_cached_prompt_tokens(c.onboarded_tokens);
+      u->set_kv_transfer_bytes(c.kv_transfer_bytes);
+      u->set_decode_held_tokens(c.decode_held_tokens);
     }
     if (!co_await c.writer->Write(msg)) {
       client_gone = true;

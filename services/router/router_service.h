@@ -120,6 +120,13 @@ struct RouterOptions {
 // INVALID_ARGUMENT naming the first bad field.
 absl::Status ValidateRouterOptions(const RouterOptions& o);
 
+// The longest GenerateRequest.session_id accepted.
+inline constexpr size_t kMaxSessionIdBytes = 256;
+
+// A session's rendezvous weight on a worker (53 bits, exact as a double): the session goes to
+// the eligible worker of highest weight. Stateless, so every router replica agrees.
+uint64_t SessionWeight(std::string_view session_id, std::string_view worker_id);
+
 // A request after validation: what the workers are sent.
 struct PreparedRequest {
   std::vector<int32_t> prompt;
@@ -129,6 +136,8 @@ struct PreparedRequest {
   Priority priority = Priority::kStandard;
   absl::Duration ttft_target = absl::ZeroDuration();  // zero: none
   absl::Duration tpot_target = absl::ZeroDuration();
+  // The conversation this turn belongs to (GenerateRequest.session_id); empty: none.
+  std::string session_id;
 };
 
 // Generate runs on gRPC's callback API: each request is a task (common/util/task.h) that awaits
@@ -195,6 +204,10 @@ class InferenceService final
                            const v1::GenerateRequest& req);
   Task<absl::Status> Route(Call& c);
   Task<absl::Status> RunDisaggregated(Call& c);
+  // A worker of `pool` for c: the session's (SessionWeight) when it has one, else by the
+  // policy; never one in `exclude`.
+  Assignment PickForSession(Pool pool, const Call& c,
+                            const absl::flat_hash_set<std::string>& exclude);
   Task<absl::Status> RunColocated(Call& c);
   // The pool whose workers prefill under the current plan.
   Pool PrefillPool() const;

@@ -708,6 +708,14 @@ def scenario_partitions(env):
 
         wide = generate(h, env, prompts, 400, "wide", ignore_eos=True)
         streams_check(wide, "at full speed", want)
+        # The routers pick a decode pod by the free KV blocks of its last heartbeat: until
+        # every router has heard both idle, the wide run's last streams still weigh on one.
+        names = {d.name for d in decodes}
+        h.wait("every router has heard every decode pod idle",
+               lambda: all(idle({w: numbers(i.get("stats", {})) | {"kv_blocks_total":
+                                                                   i["kv_blocks_total"]}
+                                 for w, i in workers(h, r).items() if w in names})
+                           for r in routers), 30)
         h.shape(victim, "256kbit")
         try:
             narrow = generate(h, env, prompts, 400, "narrow", ignore_eos=True)

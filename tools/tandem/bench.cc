@@ -98,12 +98,14 @@ class SessionGate {
   std::vector<int> done_;
 };
 
+// `prompt`: p's, or with --sessions the conversation as it happened.
 RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
                       const std::vector<bench::RequestClass>& classes, const PlannedRequest& p,
-                      Clock::time_point run_start) {
+                      const std::vector<int32_t>& prompt, Clock::time_point run_start) {
   RequestResult r;
   v1::GenerateRequest req;
   req.set_model(o.model);
+  if (o.sessions) req.set_session_id(absl::StrCat("bench-", o.seed, "-", p.session));
   if (p.cls >= 0) {
     const bench::RequestClass& c = classes[static_cast<size_t>(p.cls)];
     req.set_priority(*services::PriorityFromName(c.name));  // checked in RunBench
@@ -112,7 +114,7 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
       req.set_tpot_target_ms(static_cast<uint32_t>(std::ceil(c.tpot_ms)));
     }
   }
-  req.mutable_token_ids()->mutable_ids()->Add(p.prompt.begin(), p.prompt.end());
+  req.mutable_token_ids()->mutable_ids()->Add(prompt.begin(), prompt.end());
   v1::SamplingParams* s = req.mutable_sampling();
   s->set_max_tokens(p.max_tokens);
   s->set_temperature(0);
@@ -125,7 +127,7 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
   }
   const Clock::time_point sent = Clock::now();
   r.start_s = SecondsBetween(run_start, sent);
-  r.prompt_tokens = static_cast<int>(p.prompt.size());
+  r.prompt_tokens = static_cast<int>(prompt.size());
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&cc, req);
   v1::GenerateResponse m;
   Clock::time_point last{};
@@ -141,6 +143,7 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
       }
       last = now;
       r.output_tokens += m.token_ids_size();
+      if (o.sessions) r.output_ids.insert(r.output_ids.end(), m.token_ids().begin(), m.token_ids().end());
     }
     if (m.finished() && m.has_ttft()) {
       const v1::TtftBreakdown& t = m.ttft();
@@ -154,6 +157,8 @@ RequestResult SendOne(v1::Inference::Stub& stub, const BenchOptions& o,
       r.spec_verify_steps = m.usage().spec_verify_steps();
       r.spec_draft_tokens = m.usage().spec_draft_tokens();
       r.spec_accepted_tokens = m.usage().spec_accepted_tokens();
+      r.kv_transfer_bytes = m.usage().kv_transfer_bytes();
+      r.decode_held_tokens = m.usage().decode_held_tokens();
     }
   }
   const grpc::Status gs = reader->Finish();
@@ -173,6 +178,14 @@ void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
   const int n = static_cast<int>(plan.size());
   run.results.assign(plan.size(), RequestResult{});
   SessionGate gate(plan);
+  // --sessions: each conversation's last prompt plus its reply, the next turn's history. A
+  // conversation's turns run one after another (the gate), so each entry has one user at a time.
+  std::vector<std::vector<int32_t>> history;
+  if (o.sessions) {
+    for (const PlannedRequest& p : plan) {
+      history.resize(std::max(history.size(), static_cast<size_t>(p.session) + 1));
+    }
+  }
   Progress progress(n, run.label, o.quiet);
   std::atomic<int> finished{0};
   auto stub = v1::Inference::NewStub(channel);
@@ -184,7 +197,24 @@ void Execute(const BenchOptions& o, const std::vector<PlannedRequest>& plan,
   int in_flight = 0;
   auto send = [&](int i) {
     gate.WaitTurn(plan[i]);
-    run.results[i] = SendOne(*stub, o, classes, plan[i], start);
+    const PlannedRequest& p = plan[i];
+    std::vector<int32_t> prompt = p.prompt;
+    if (o.sessions && p.turn > 0) {
+      // The history as it happened, then this turn's fresh tokens (the plan's last input_len).
+      std::vector<int32_t>& h = history[static_cast<size_t>(p.session)];
+      prompt = h;
+      prompt.insert(prompt.end(), p.prompt.end() - o.input_len, p.prompt.end());
+    }
+    run.results[i] = SendOne(*stub, o, classes, p, prompt, start);
+    if (o.workload == "multi-turn") {
+      run.results[i].session = p.session;
+      run.results[i].turn = p.turn;
+    }
+    if (o.sessions) {
+      std::vector<int32_t>& h = history[static_cast<size_t>(p.session)];
+      h = std::move(prompt);
+      h.insert(h.end(), run.results[i].output_ids.begin(), run.results[i].output_ids.end());
+    }
     ends[i] = SecondsBetween(start, Clock::now());
     gate.EndTurn(plan[i]);
     progress.Done(++finished);
@@ -248,6 +278,10 @@ absl::Status RunBench(const BenchOptions& o) {
   if (!slo.ok()) return slo.status();
   absl::StatusOr<bench::Workload> workload = bench::ParseWorkload(o.workload);
   if (!workload.ok()) return workload.status();
+  if (*workload != bench::Workload::kMultiTurn && (o.sessions || o.first_turn_len != 0)) {
+    return absl::InvalidArgumentError("--sessions and --first-turn-len need --workload multi-turn");
+  }
+  if (o.first_turn_len < 0) return absl::InvalidArgumentError("--first-turn-len must be >= 0");
   absl::StatusOr<bench::Arrival> arrival = bench::ParseArrival(o.arrival);
   if (!arrival.ok()) return arrival.status();
   absl::StatusOr<std::vector<bench::RequestClass>> classes = bench::ParseMix(o.mix);
@@ -293,6 +327,7 @@ absl::Status RunBench(const BenchOptions& o) {
   wo.output_len = o.output_len;
   wo.prefix_len = o.prefix_len;
   wo.turns = o.turns;
+  wo.first_turn_len = o.first_turn_len;
   wo.vocab_size = vocab;
   wo.seed = o.seed;
   absl::StatusOr<std::vector<PlannedRequest>> plan = bench::MakeRequests(wo);
@@ -354,6 +389,8 @@ absl::Status RunBench(const BenchOptions& o) {
         {"output_len", o.output_len},
         {"prefix_len", o.prefix_len},
         {"turns", o.turns},
+        {"first_turn_len", o.first_turn_len},
+        {"sessions", o.sessions},
         {"slo", {{"ttft_ms", slo->ttft_ms}, {"tpot_ms", slo->tpot_ms}, {"e2e_ms", slo->e2e_ms}}},
         {"seed", o.seed},
         {"mix", o.mix},

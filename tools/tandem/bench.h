@@ -47,6 +47,13 @@ struct BenchOptions {
   int output_len = 16;
   int prefix_len = 64;
   int turns = 3;
+  // multi-turn: tokens of each conversation's first turn before its input_len (a character
+  // card or system prompt, its own per conversation); 0: none.
+  int first_turn_len = 0;
+  // multi-turn: each turn carries the session id "bench-SEED-N", and its history is the
+  // conversation as it happened (turn k-1's prompt and its actual reply), as a chat client
+  // sends it, instead of a stand-in reply.
+  bool sessions = false;
   std::string slo;  // "ttft:500,tpot:50"
   uint64_t seed = 0;
   int64_t timeout_ms = 600000;  // per request

@@ -66,6 +66,14 @@ nlohmann::json RunJson(const Run& run, std::span<const int> cls,
                         {"e2e_ms", r.e2e_s * 1000},
                         {"tpot_ms", std::max(Tpot(r), 0.0) * 1000}};
     if (cls[i] >= 0) e["class"] = classes[static_cast<size_t>(cls[i])].name;
+    if (r.session >= 0) {
+      e["session"] = r.session;
+      e["turn"] = r.turn;
+    }
+    if (r.ok) {
+      e["kv_transfer_bytes"] = r.kv_transfer_bytes;
+      e["decode_held_tokens"] = r.decode_held_tokens;
+    }
     if (r.ok) {  // the router's breakdown of this request's TTFT
       e["server_queue_ms"] = r.server_queue_s * 1000;
       e["server_prefill_ms"] = r.server_prefill_s * 1000;

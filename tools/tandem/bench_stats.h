@@ -39,6 +39,12 @@ struct RequestResult {
   // Speculative decoding, from the final message's usage: verify steps, draft tokens checked
   // and those kept (all 0 for a request that did not speculate).
   int spec_verify_steps = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0;
+  // Multi-turn: the conversation and turn (-1 otherwise); from the final message's usage, the
+  // prompt KV bytes prefill sent and the prompt tokens decode already held.
+  int session = -1, turn = 0;
+  uint64_t kv_transfer_bytes = 0;
+  int decode_held_tokens = 0;
+  std::vector<int32_t> output_ids;  // the reply (not reported: the next turn's history)
 };
 
 // SLO targets in milliseconds; 0 means no target for that metric.

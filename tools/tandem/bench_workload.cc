@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<PlannedRequest>> MakeRequests(const WorkloadOptions& 
         r.session = i / o.turns;
         r.turn = i % o.turns;
         if (r.turn == 0) {
-          history.clear();
+          history = RandomTokens(rng, o.first_turn_len, o.vocab_size);
         } else {
           const std::vector<int32_t> reply = RandomTokens(rng, o.output_len, o.vocab_size);
           history.insert(history.end(), reply.begin(), reply.end());

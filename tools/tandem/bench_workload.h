@@ -8,6 +8,8 @@
 //   multi-turn    sessions of `turns` requests; turn k's prompt is turn k-1's prompt, a stand-in
 //                 reply of output_len tokens, then input_len fresh tokens (a chat history). A
 //                 session's turns are sent in order, each after the previous one ended.
+//                 With first_turn_len, each conversation opens with that many tokens of its
+//                 own (a character card) before its first input_len.
 // Arrivals (open loop, mean rate r requests/s): poisson = exponential gaps of mean 1/r;
 // constant = i/r; burst = groups of burst_size sent together every burst_size/r seconds.
 //
@@ -42,6 +44,7 @@ struct WorkloadOptions {
   int output_len = 16;
   int prefix_len = 64;  // shared-prefix
   int turns = 3;        // multi-turn
+  int first_turn_len = 0;  // multi-turn: extra tokens opening each conversation's first turn
   int32_t vocab_size = 0;
   uint64_t seed = 0;
 };

@@ -65,6 +65,7 @@ absl::Status RunClient(const ClientOptions& o) {
   }
   req.set_ttft_target_ms(o.ttft_target_ms);
   req.set_tpot_target_ms(o.tpot_target_ms);
+  req.set_session_id(o.session);
   *req.mutable_sampling() = services::SamplingToProto(o.sampling);
   grpc::ClientContext cc;
   if (!o.api_key.empty()) cc.AddMetadata("authorization", "Bearer " + o.api_key);
@@ -141,7 +142,9 @@ absl::Status RunClient(const ClientOptions& o) {
     j["decode_worker"] = decode_worker;
     j["usage"] = {{"prompt_tokens", usage.prompt_tokens()},
                   {"completion_tokens", usage.completion_tokens()},
-                  {"cached_prompt_tokens", usage.cached_prompt_tokens()}};
+                  {"cached_prompt_tokens", usage.cached_prompt_tokens()},
+                  {"kv_transfer_bytes", usage.kv_transfer_bytes()},
+                  {"decode_held_tokens", usage.decode_held_tokens()}};
     if (usage.spec_verify_steps() > 0) {
       j["usage"]["spec_verify_steps"] = usage.spec_verify_steps();
       j["usage"]["spec_draft_tokens"] = usage.spec_draft_tokens();

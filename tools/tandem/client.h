@@ -23,6 +23,7 @@ struct ClientOptions {
   std::string model;                // empty: the cluster's model
   std::string request_id;           // empty: the router makes one
   std::string priority;             // interactive, standard or batch; empty: unset (standard)
+  std::string session;              // conversation id (GenerateRequest.session_id); empty: none
   uint32_t ttft_target_ms = 0;      // the request's SLO targets (0: none)
   uint32_t tpot_target_ms = 0;
   engine::SamplingParams sampling;  // every field is sent, so defaults match generate's

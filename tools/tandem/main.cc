@@ -262,6 +262,8 @@ int main(int argc, char** argv) {
   c->add_option("--request-id", cli.request_id);
   c->add_option("--priority", cli.priority,
                  "Admission class at the router: interactive, standard or batch");
+  c->add_option("--session", cli.session,
+                "Conversation id: its turns go to the decode worker that holds its KV");
   c->add_option("--ttft-target-ms", cli.ttft_target_ms,
                 "Time-to-first-token target: the router refuses the request at once when it "
                 "predicts a miss (0: none)");
@@ -313,6 +315,10 @@ int main(int argc, char** argv) {
   b->add_option("--output-len", bo.output_len, "Tokens generated per request");
   b->add_option("--prefix-len", bo.prefix_len, "Shared prefix tokens (shared-prefix)");
   b->add_option("--turns", bo.turns, "Turns per conversation (multi-turn)");
+  b->add_option("--first-turn-len", bo.first_turn_len,
+                "Tokens opening each conversation before its first turn's input (multi-turn)");
+  b->add_flag("--sessions", bo.sessions,
+              "Multi-turn: send a session id, and the real replies as the history");
   b->add_option("--slo", bo.slo, "SLOs for goodput, e.g. ttft:500,tpot:50 (ms; also e2e)");
   b->add_option("--seed", bo.seed, "Workload and arrival seed");
   b->add_option("--timeout-ms", bo.timeout_ms, "Per-request deadline (0: none)");

@@ -99,6 +99,7 @@ TestCluster::TestCluster(std::shared_ptr<const engine::Model> model, const Clust
   d.transport = decode_transport.get();
   d.before_step = o.before_step;
   d.quarantine = o.decode_quarantine;
+  d.prefix_cache = o.decode_prefix_cache;
   d.speculative = o.decode_speculative;
   d.draft_kv_from_prefill = o.decode_draft_kv;
   auto dw = decode::DecodeWorker::Create(d);
@@ -145,10 +146,14 @@ TestCluster::~TestCluster() {
 }
 
 absl::StatusOr<v1::ReserveResponse> TestCluster::Reserve(const std::string& id, int prompt_tokens,
-                                                         int max_tokens, uint32_t lease_ms) {
+                                                         int max_tokens, uint32_t lease_ms,
+                                                         const std::vector<int32_t>* prompt,
+                                                         uint64_t salt) {
   v1::ReserveRequest req;
   req.set_request_id(id);
   req.set_prompt_tokens(prompt_tokens);
+  if (prompt != nullptr) req.mutable_prompt_token_ids()->Add(prompt->begin(), prompt->end());
+  req.set_salt(salt);
   req.set_max_tokens(max_tokens);
   req.set_lease_ms(lease_ms);
   v1::ReserveResponse resp;
@@ -195,7 +200,7 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
                                 const engine::SamplingParams& sp, uint64_t salt) {
   Generated g;
   absl::StatusOr<v1::ReserveResponse> r =
-      Reserve(id, static_cast<int>(prompt.size()), sp.max_tokens);
+      Reserve(id, static_cast<int>(prompt.size()), sp.max_tokens, 10000, &prompt, salt);
   if (!r.ok()) {
     g.status = grpc::Status(static_cast<grpc::StatusCode>(r.status().code()),
                             std::string(r.status().message()));
@@ -218,6 +223,7 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   *dr.mutable_prompt_token_ids() = pr.prompt_token_ids();
   *dr.mutable_sampling() = pr.sampling();
   dr.set_first_token_id(presp.first_token_id());
+  dr.set_salt(salt);
   // As the router does: the first token's log-probabilities travel with it.
   if (presp.has_first_token_logprobs()) {
     *dr.mutable_first_token_logprobs() = presp.first_token_logprobs();
@@ -226,6 +232,7 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   *dr.mutable_draft_block_checksums() = presp.draft_block_checksums();
   g = Decode(dr);
   g.prefill = presp;
+  g.held_blocks = r->destination().held_blocks();
   return g;
 }
 

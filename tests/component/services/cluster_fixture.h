@@ -46,6 +46,7 @@ struct Generated {
   int32_t first_message_token = -1;
   v1::Usage usage;
   v1::PrefillResponse prefill;
+  int32_t held_blocks = 0;  // Generate: the prompt blocks decode held (its Reserve's answer)
   std::vector<engine::TokenLogprobs> logprobs;  // with sampling.logprobs >= 0
 };
 
@@ -62,6 +63,8 @@ struct ClusterOptions {
   std::function<void()> before_step;  // decode engine-loop hook
   std::function<void()> prefill_before_step;
   bool prefill_prefix_cache = true;
+  // Decode's prefix cache (a later turn's Reserve holds what it has of the prompt).
+  bool decode_prefix_cache = true;
   // tandem-kvstore for the prefill worker to onboard from and publish to (empty: none).
   std::string kvstore_address;
   absl::Duration kvstore_read_timeout = absl::Seconds(5);
@@ -79,12 +82,16 @@ class TestCluster {
   TestCluster(std::shared_ptr<const engine::Model> model, const ClusterOptions& o = {});
   ~TestCluster();
 
+  // With `prompt`, its tokens and `salt` go along, as the router sends them (decode then holds
+  // what its prefix cache has of the prompt).
   absl::StatusOr<v1::ReserveResponse> Reserve(const std::string& id, int prompt_tokens,
-                                              int max_tokens, uint32_t lease_ms = 10000);
+                                              int max_tokens, uint32_t lease_ms = 10000,
+                                              const std::vector<int32_t>* prompt = nullptr,
+                                              uint64_t salt = 0);
   grpc::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp);
   // Reads a whole Decode stream.
   Generated Decode(const v1::DecodeRequest& req);
-  // Reserve -> Prefill -> Decode, as the router does.
+  // Reserve (with the prompt's tokens and the salt) -> Prefill -> Decode, as the router does.
   Generated Generate(const std::string& id, const std::vector<int32_t>& prompt,
                      const engine::SamplingParams& sp, uint64_t salt = 0);
 

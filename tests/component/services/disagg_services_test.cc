@@ -81,9 +81,14 @@ TEST_P(HandoffTest, MatchesOneProcessScheduler) {
       EXPECT_EQ(got.first_message_token, got.prefill.first_token_id());
       EXPECT_EQ(got.usage.prompt_tokens(), len);
       EXPECT_EQ(got.usage.completion_tokens(), static_cast<int>(got.tokens.size()));
-      EXPECT_EQ(got.prefill.block_checksums_size(), services::BlocksFor(len, 16));
-      // Exactly the prompt positions' K and V of every layer travelled, nothing more.
-      EXPECT_EQ(got.prefill.bytes_transferred(), bytes_per_pos * len);
+      // The second run of a prompt finds the first's full blocks in decode's prefix cache
+      // (all but the last prompt token's); those are neither sent nor checksummed again.
+      EXPECT_EQ(got.held_blocks, seeded ? (len - 1) / 16 : 0);
+      EXPECT_EQ(got.prefill.block_checksums_size(),
+                services::BlocksFor(len, 16) - got.held_blocks);
+      // Exactly the other prompt positions' K and V of every layer travelled, nothing more.
+      EXPECT_EQ(got.prefill.bytes_transferred(),
+                bytes_per_pos * static_cast<uint64_t>(len - 16 * got.held_blocks));
       EXPECT_EQ(got.prefill.transport().rfind("inproc", 0), 0u) << got.prefill.transport();
     }
   }
@@ -558,6 +563,80 @@ TEST_F(ServicesTest, PrefillStopsWritingWhenTheLeaseRunsOut) {
   const grpc::Status late =
       c.Prefill(PrefillFor("gone", TestPrompt(60, 24), sp, gone->destination()), &late_resp);
   EXPECT_EQ(late.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << late.error_message();
+}
+
+// Turn 2 of a conversation: decode holds turn 1's full blocks (its prompt and all but the last
+// generated token, never fed back), prefill writes and checksums only the rest, and the tokens
+// are a one-process run's of the whole conversation. Another salt (tenant) shares nothing. A
+// third turn's reservation, cancelled, gives its held blocks back to the cache (they are held
+// again by the next reservation) and quarantines only its own; the pool ends at rest with no
+// invariant violated.
+TEST_F(ServicesTest, ALaterTurnReusesTheBlocksDecodeHoldsAndACancelGivesThemBack) {
+  TestCluster c(model_);
+  const v1::WorkerStats at_rest = c.DecodeStats();
+  engine::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = 20;
+  sp.ignore_eos = true;
+  auto more = [](std::vector<int32_t> conversation, const std::vector<int32_t>& reply,
+                 uint32_t seed) {
+    conversation.insert(conversation.end(), reply.begin(), reply.end());
+    const std::vector<int32_t> user = TestPrompt(13, seed);  // BOS, then 12 tokens
+    conversation.insert(conversation.end(), user.begin() + 1, user.end());
+    return conversation;
+  };
+  const std::vector<int32_t> p1 = TestPrompt(40, 7);
+  const Generated t1 = c.Generate("turn-1", p1, sp, /*salt=*/5);
+  ASSERT_TRUE(t1.status.ok()) << t1.status.error_message();
+  EXPECT_EQ(t1.held_blocks, 0);
+  ASSERT_EQ(t1.tokens.size(), 20u);
+
+  const std::vector<int32_t> p2 = more(p1, t1.tokens, 8);
+  const Generated t2 = c.Generate("turn-2", p2, sp, /*salt=*/5);
+  ASSERT_TRUE(t2.status.ok()) << t2.status.error_message();
+  const int bs = 16;  // the engine's default block size (checked on turn 3's destination)
+  EXPECT_EQ(t2.held_blocks, (40 + 20 - 1) / bs);
+  EXPECT_EQ(t2.prefill.block_checksums_size(),
+            static_cast<int>(p2.size() + bs - 1) / bs - t2.held_blocks);
+  const Generated ref = ReferenceRun(model_, kernels::DType::kF32, p2, sp);
+  ASSERT_TRUE(ref.status.ok());
+  EXPECT_EQ(t2.tokens, ref.tokens);
+  const Generated other = c.Generate("other-tenant", p2, sp, /*salt=*/6);
+  ASSERT_TRUE(other.status.ok()) << other.status.error_message();
+  EXPECT_EQ(other.held_blocks, 0);
+  EXPECT_EQ(other.tokens, ref.tokens);
+
+  const std::vector<int32_t> p3 = more(p2, t2.tokens, 9);
+  const int n3 = static_cast<int>(p3.size());
+  absl::StatusOr<v1::ReserveResponse> r3 = c.Reserve("turn-3", n3, 20, 10000, &p3, 5);
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  ASSERT_EQ(r3->destination().block_size(), bs);
+  const int32_t held3 = r3->destination().held_blocks();
+  EXPECT_EQ(held3, (static_cast<int>(p2.size()) + 20 - 1) / bs);
+  grpc::ClientContext cctx;
+  v1::CancelRequest creq;
+  creq.set_request_id("turn-3");
+  v1::CancelResponse cresp;
+  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+  EXPECT_TRUE(cresp.found());
+  absl::StatusOr<v1::ReserveResponse> again = c.Reserve("turn-3-again", n3, 20, 10000, &p3, 5);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->destination().held_blocks(), held3);
+  grpc::ClientContext cctx2;
+  creq.set_request_id("turn-3-again");
+  ASSERT_TRUE(c.decode_stub->Cancel(&cctx2, creq, &cresp).ok());
+  // Back at rest once the quarantine ends: cached blocks count as free.
+  ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
+    return s.reservations() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
+  }));
+  uint64_t violations = 1;
+  ASSERT_TRUE(c.decode
+                  ->RunOnEngineThread([&](engine::Engine& e) {
+                    violations = e.kv().pool().violations();
+                  })
+                  .ok());
+  EXPECT_EQ(violations, 0u);
+  EXPECT_GT(c.DecodeStats().prefix_cache_hit_blocks(), 0u);
 }
 
 TEST_F(ServicesTest, CancelledReservationIsQuarantinedThenFreed) {

@@ -105,6 +105,7 @@ class KvOnboardingTest : public ::testing::TestWithParam<std::string> {
 void CheckTier(std::shared_ptr<const engine::Model> model, Where where, const char* tier) {
   Store s(where);
   ClusterOptions o;
+  o.decode_prefix_cache = false;  // what prefill onboards is sent whole, as the tests compare
   o.prefill_prefix_cache = false;
   o.kvstore_address = s.address();
   TestCluster c(model, o);
@@ -177,6 +178,7 @@ TEST_P(KvOnboardingTest, OwnPrefixCacheHitsMatchColdRun) {
 TEST_P(KvOnboardingTest, TenantsNeverShareBlocks) {
   Store s(Where::kDevice);
   ClusterOptions o;
+  o.decode_prefix_cache = false;  // what prefill onboards is sent whole, as the tests compare
   o.kvstore_address = s.address();  // own cache on too: neither may leak across tenants
   TestCluster c(model_, o);
   const std::vector<int32_t> prompt = TestPrompt(50, 11);
@@ -214,6 +216,7 @@ TEST_P(KvOnboardingTest, TenantsNeverShareBlocks) {
 TEST_P(KvOnboardingTest, StoreDownRunsCold) {
   auto s = std::make_unique<Store>(Where::kHost);
   ClusterOptions o;
+  o.decode_prefix_cache = false;  // what prefill onboards is sent whole, as the tests compare
   o.prefill_prefix_cache = false;
   o.kvstore_address = s->address();
   TestCluster c(model_, o);
