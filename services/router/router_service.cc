@@ -793,6 +793,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
   // write of a worker we only believe dead could still land): the reservation is released to
   // the decode worker's quarantine and the handoff starts again on fresh blocks.
   constexpr int kHandoffRounds = 3;
+  absl::Status spoiled_by;  // what ended the last round's handoff
   for (int round = 0;; ++round) {
     // 1. Reserve KV on a decode worker.
     absl::flat_hash_set<std::string> tried = c.avoid;
@@ -836,7 +837,13 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
     c.decode_address = d.address();
 
     // 2. Prefill on a prefill worker, which writes the KV into the reservation.
+    // A handoff that starts again keeps what spoiled the last one: when no prefill worker is
+    // left to try, that is the cause the client needs, not only its consequence.
     last = c.NoneLeft("prefill");
+    if (!spoiled_by.ok()) {
+      last = absl::Status(last.code(), absl::StrCat(last.message(), "; the last attempt: ",
+                                                    spoiled_by.ToString()));
+    }
     if (o_.policy == Policy::kKvAware && hashes.empty()) {
       const int32_t bs = reserve.destination().block_size() > 0 ? reserve.destination().block_size()
                                                                 : o_.kv_block_size;
@@ -942,6 +949,7 @@ Task<absl::Status> InferenceService::RunDisaggregated(Call& c) {
       // Nothing was written: the reservation (it has a lease) serves the next prefill worker.
     }
     if (!spoiled) break;
+    spoiled_by = last;
     co_await CancelOnDecode(d.address(), c.id);
     if (o_.verbose) {
       Logf("%s: %s; released the reservation on %s, starting the handoff again", c.id.c_str(),
