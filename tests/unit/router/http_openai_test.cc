@@ -123,6 +123,13 @@ TEST_F(HttpOpenAiTest, CompletionFieldsMapToTheGenerateRequest) {
     EXPECT_EQ(p.generate.priority(), want) << name;
   }
 
+  // OpenAI's end-user id is the conversation's session id (decode affinity); unset: none.
+  EXPECT_TRUE(d1.generate.session_id().empty());
+  OpenAiRequest u;
+  ASSERT_FALSE(Parse(ApiKind::kChat,
+                     R"({"messages": [{"role": "user", "content": "hi"}], "user": "npc-7"})", &u));
+  EXPECT_EQ(u.generate.session_id(), "npc-7");
+
   // Token-id prompts, bare or wrapped in a one-element batch.
   OpenAiRequest t;
   ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt": [[1, 260, 261]]})", &t));

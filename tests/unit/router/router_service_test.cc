@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -403,6 +404,56 @@ TEST_F(RouterTest, DisaggregatedHandoffRelaysTheDecodeStream) {
             (std::vector<uint64_t>{11, 22}));
   EXPECT_EQ(dc.sampling().seed(), 7u);
   EXPECT_TRUE(decode.rec.cancels.empty());
+}
+
+// A session's turns all go to one decode worker: the one of highest rendezvous weight for it
+// (what every router replica computes alike), with the prompt's tokens and the tenant's salt in
+// the Reserve (for decode's prefix cache) and the salt in the Decode. Sessions spread over the
+// workers; requests without one are placed by load as before.
+TEST_F(RouterTest, ASessionsTurnsGoToItsDecodeWorkerWithThePromptsTokens) {
+  StartRouter();
+  const std::vector<std::string> ids = {"d0", "d1", "d2"};
+  std::vector<FakeDecode*> decodes;
+  for (const std::string& id : ids) {
+    decodes.push_back(&Own<FakeDecode>(id));
+    Add(decodes.back(), id, v1::WORKER_ROLE_DECODE);
+  }
+  FakePrefill& prefill = Own<FakePrefill>();
+  Add(&prefill, "p0", v1::WORKER_ROLE_PREFILL);
+  std::set<std::string> used;
+  for (int s = 0; s < 6; ++s) {
+    const std::string session = absl::StrCat("npc-", s);
+    std::string want = ids[0];
+    for (const std::string& id : ids) {
+      if (SessionWeight(session, id) > SessionWeight(session, want)) want = id;
+    }
+    for (int turn = 0; turn < 3; ++turn) {
+      v1::GenerateRequest req = TextRequest(absl::StrCat("turn ", turn, " of ", session), 3);
+      req.set_session_id(session);
+      Outcome out = Run(req);
+      ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+      EXPECT_EQ(out.messages.back().decode_worker(), want) << session << " turn " << turn;
+      used.insert(out.messages.back().decode_worker());
+    }
+  }
+  EXPECT_GT(used.size(), 1u) << "every session went to the same worker";
+  for (FakeDecode* fake : decodes) {
+    FakeDecode& d = *fake;
+    absl::MutexLock l(&d.rec.mu);
+    ASSERT_EQ(d.rec.reserves.size(), d.rec.decodes.size());
+    for (size_t i = 0; i < d.rec.reserves.size(); ++i) {
+      const v1::ReserveRequest& rs = d.rec.reserves[i];
+      EXPECT_EQ(rs.prompt_token_ids_size(), rs.prompt_tokens());
+      EXPECT_EQ(std::vector<int32_t>(rs.prompt_token_ids().begin(), rs.prompt_token_ids().end()),
+                std::vector<int32_t>(d.rec.decodes[i].prompt_token_ids().begin(),
+                                     d.rec.decodes[i].prompt_token_ids().end()));
+      EXPECT_EQ(rs.salt(), d.rec.decodes[i].salt());
+    }
+  }
+  // A session id longer than the router takes is refused before any worker sees it.
+  v1::GenerateRequest long_id = TextRequest("x", 2);
+  long_id.set_session_id(std::string(kMaxSessionIdBytes + 1, 's'));
+  EXPECT_EQ(Run(long_id).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_F(RouterTest, RelaysEachMessageAsItIsProduced) {
