@@ -307,7 +307,9 @@ TEST_F(TieredStoreTest, ADemotionDownToTheLowMarkWritesItsSsdBlocksTogether) {
   EXPECT_EQ(st.tiers[2].blocks, 12);
   EXPECT_EQ(st.tiers[1].blocks, 8);
   const auto* ssd = static_cast<const SsdTier*>(s->tier(TierKind::kSsd));
-  if (ssd->using_io_uring()) EXPECT_EQ(ssd->max_in_flight(), 8);  // not one file at a time
+  if (ssd->using_io_uring()) {
+    EXPECT_EQ(ssd->max_in_flight(), 8);  // not one file at a time
+  }
   for (int i = 0; i < 20; ++i) {
     EXPECT_EQ(Where(*s, i), i < 12 ? TierKind::kSsd : TierKind::kHost) << i;
   }

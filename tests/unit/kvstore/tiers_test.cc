@@ -216,7 +216,9 @@ TEST_F(SsdTierTest, GetManyKeepsTheQueueDepthInFlightAndCatchesACorruptFile) {
   }
   for (int i = 0; i < 20; ++i) refs.push_back({hashes[i], bytes[i]});
   for (const absl::Status& st : t->PutMany(refs)) ASSERT_TRUE(st.ok()) << st;
-  if (t->using_io_uring()) EXPECT_EQ(t->max_in_flight(), 8);  // the default queue depth
+  if (t->using_io_uring()) {
+    EXPECT_EQ(t->max_in_flight(), 8);  // the default queue depth
+  }
   ASSERT_TRUE(testing::FlipPayloadByte(t->PathFor(hashes[7]), 1234));
   const auto got = t->GetMany(hashes);
   for (int i = 0; i < 20; ++i) {
