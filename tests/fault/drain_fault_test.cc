@@ -186,7 +186,9 @@ TEST(DrainFaultTest, SigtermedDecodeWorkerDrainsWithoutFailuresAndReturnsItsKv) 
   ASSERT_TRUE(exited) << victim << " still runs " << kGraceMs << " ms after SIGTERM";
   EXPECT_EQ(exit_code, 0);
   // Under TSan the process's own exit (its shadow memory unmapped) outlasts the grace.
-  if (!kUnderTsan) EXPECT_LT(drain_time, absl::Milliseconds(kGraceMs));
+  if (!kUnderTsan) {
+    EXPECT_LT(drain_time, absl::Milliseconds(kGraceMs));
+  }
   EXPECT_GE(still_running, 1) << "the streams ended before the router dropped " << victim;
   for (int i = 0; i < kStreams; ++i) {
     SCOPED_TRACE(absl::StrCat("stream ", i, " on ", streams[i].decode_worker));
