@@ -236,6 +236,17 @@ Generated TestCluster::Generate(const std::string& id, const std::vector<int32_t
   return g;
 }
 
+bool TestCluster::CancelOnDecode(const std::string& id) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::CancelRequest req;
+  req.set_request_id(id);
+  v1::CancelResponse resp;
+  const grpc::Status st = decode_stub->Cancel(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << "Cancel " << id << ": " << st.error_message();
+  return st.ok() && resp.found();
+}
+
 v1::WorkerStats TestCluster::DecodeStats() {
   grpc::ClientContext ctx;
   v1::WorkerStats s;

@@ -89,6 +89,8 @@ class TestCluster {
                                               const std::vector<int32_t>* prompt = nullptr,
                                               uint64_t salt = 0);
   grpc::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp);
+  // The decode worker's Cancel rpc: whether it knew `id` (a failed rpc is a test failure).
+  bool CancelOnDecode(const std::string& id);
   // Reads a whole Decode stream.
   Generated Decode(const v1::DecodeRequest& req);
   // Reserve (with the prompt's tokens and the salt) -> Prefill -> Decode, as the router does.

@@ -613,18 +613,11 @@ TEST_F(ServicesTest, ALaterTurnReusesTheBlocksDecodeHoldsAndACancelGivesThemBack
   ASSERT_EQ(r3->destination().block_size(), bs);
   const int32_t held3 = r3->destination().held_blocks();
   EXPECT_EQ(held3, (static_cast<int>(p2.size()) + 20 - 1) / bs);
-  grpc::ClientContext cctx;
-  v1::CancelRequest creq;
-  creq.set_request_id("turn-3");
-  v1::CancelResponse cresp;
-  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
-  EXPECT_TRUE(cresp.found());
+  EXPECT_TRUE(c.CancelOnDecode("turn-3"));
   absl::StatusOr<v1::ReserveResponse> again = c.Reserve("turn-3-again", n3, 20, 10000, &p3, 5);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->destination().held_blocks(), held3);
-  grpc::ClientContext cctx2;
-  creq.set_request_id("turn-3-again");
-  ASSERT_TRUE(c.decode_stub->Cancel(&cctx2, creq, &cresp).ok());
+  EXPECT_TRUE(c.CancelOnDecode("turn-3-again"));
   // Back at rest once the quarantine ends: cached blocks count as free.
   ASSERT_TRUE(c.WaitForDecode([&](const v1::WorkerStats& s) {
     return s.reservations() == 0 && s.kv_blocks_free() == at_rest.kv_blocks_free();
@@ -645,13 +638,8 @@ TEST_F(ServicesTest, CancelledReservationIsQuarantinedThenFreed) {
   TestCluster c(model_, co);
   const v1::WorkerStats at_rest = c.DecodeStats();
   ASSERT_TRUE(c.Reserve("gone", 40, 8).ok());  // 3 blocks
-  grpc::ClientContext cctx;
-  v1::CancelRequest creq;
-  creq.set_request_id("gone");
-  v1::CancelResponse cresp;
   const absl::Time cancelled = absl::Now();
-  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
-  EXPECT_TRUE(cresp.found());
+  EXPECT_TRUE(c.CancelOnDecode("gone"));
   const v1::WorkerStats held = c.DecodeStats();
   EXPECT_EQ(held.reservations(), 0);
   if (absl::Now() - cancelled < absl::Milliseconds(300)) {  // a loaded machine may be slower
@@ -728,14 +716,7 @@ TEST_F(ServicesTest, CancelRpcEndsTheStreamAsCancelled) {
   auto reader = c.decode_stub->Decode(&ctx, dr);
   v1::GenerateResponse msg;
   ASSERT_TRUE(reader->Read(&msg));
-  {
-    grpc::ClientContext cctx;
-    v1::CancelRequest creq;
-    creq.set_request_id("stopme");
-    v1::CancelResponse cresp;
-    ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
-    EXPECT_TRUE(cresp.found());
-  }
+  EXPECT_TRUE(c.CancelOnDecode("stopme"));
   int n = 1;
   bool finished = false;
   while (reader->Read(&msg)) {
@@ -753,17 +734,9 @@ TEST_F(ServicesTest, CancelRpcEndsTheStreamAsCancelled) {
   EXPECT_EQ(s.kv_blocks_free(), at_rest.kv_blocks_free());
   // Cancelling a reservation frees it too; an unknown id is reported as such.
   ASSERT_TRUE(c.Reserve("unused", 10, 10).ok());
-  grpc::ClientContext cctx;
-  v1::CancelRequest creq;
-  creq.set_request_id("unused");
-  v1::CancelResponse cresp;
-  ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
-  EXPECT_TRUE(cresp.found());
+  EXPECT_TRUE(c.CancelOnDecode("unused"));
   EXPECT_EQ(c.DecodeStats().reservations(), 0);
-  grpc::ClientContext cctx2;
-  creq.set_request_id("nobody");
-  ASSERT_TRUE(c.decode_stub->Cancel(&cctx2, creq, &cresp).ok());
-  EXPECT_FALSE(cresp.found());
+  EXPECT_FALSE(c.CancelOnDecode("nobody"));
 }
 
 TEST_F(ServicesTest, ColocatedRequestMatchesOneProcessScheduler) {
@@ -902,11 +875,7 @@ TEST_F(ServicesTest, RefusesWhatCannotBeServed) {
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
   EXPECT_EQ(held, total / 10);
   for (int i = 0; i < held; ++i) {
-    grpc::ClientContext cctx;
-    v1::CancelRequest creq;
-    creq.set_request_id("fill-" + std::to_string(i));
-    v1::CancelResponse cresp;
-    ASSERT_TRUE(c.decode_stub->Cancel(&cctx, creq, &cresp).ok());
+    c.CancelOnDecode("fill-" + std::to_string(i));
   }
   ExpectPoolsAtRest(c);
 }
